@@ -1,0 +1,148 @@
+"""Request-level types shared by the gRPC layer and the engine. No torch here.
+
+Every request dataclass validates itself; a bad value raises `InvalidRequestError`
+naming the public API field, which the server maps to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+
+class InvalidRequestError(ValueError):
+    """A request field is malformed or out of range."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-waiting."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server stopped admitting requests."""
+
+
+class FinishReason(enum.IntEnum):
+    """Mirrors splitspec.v1.FinishReason."""
+
+    UNSPECIFIED = 0
+    LENGTH = 1  # max_tokens reached
+    STOP = 2  # EOS, a stop string or a stop token id
+    ABORT = 3  # client cancel, deadline, Abort RPC, or shutdown
+    MODEL_LENGTH = 4  # the sequence reached the model's max length
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 → greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 → off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("sampling.temperature", f"must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError("sampling.top_k", f"must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class StopParams:
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequestError("stop.max_tokens", f"must be > 0, got {self.max_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError("stop.stop", f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters")
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    disable: bool = False
+    num_speculative_tokens: int = 0  # 0 → the server's K
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise InvalidRequestError(
+                "speculation.num_speculative_tokens", f"must be >= 0, got {self.num_speculative_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: StopParams = field(default_factory=StopParams)
+    speculation: SpeculationParams = field(default_factory=SpeculationParams)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One increment of a stream: new tokens and the text they completed."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None  # set on the last output only
+    usage: Usage | None = None  # set on the last output only
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    num_layers: int
+    hidden_size: int
+
+
+class EngineClient(Protocol):
+    """What the gRPC layer needs from the engine."""
+
+    model_info: ModelInfo
+
+    def tokenizer(self): ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def server_info(self) -> dict: ...
