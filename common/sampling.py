@@ -1,0 +1,68 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request generators.
+
+`sampling_probs` is the one place logits become a distribution, so the speculative
+rejection sampler and the plain sampler agree on what "the target's distribution" is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sampling_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
+    """[N, V] float logits → [N, V] probabilities after temperature, top-k and top-p."""
+    scores = logits.float() / spec.temperature
+    vocab = scores.shape[-1]
+    if 0 < spec.top_k < vocab:
+        kth = torch.topk(scores, spec.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if spec.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= spec.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample_tokens(
+    logits: torch.Tensor, specs: list[SamplingSpec], generators: list[torch.Generator | None]
+) -> list[int]:
+    """[N, V] logits → one token per row. Greedy rows share one argmax."""
+    greedy_ids = logits.argmax(dim=-1).tolist()
+    tokens = []
+    for row, (spec, gen) in enumerate(zip(specs, generators)):
+        if spec.greedy:
+            tokens.append(greedy_ids[row])
+        else:
+            tokens.append(sample_from_probs(sampling_probs(logits[row : row + 1], spec)[0], gen))
+    return tokens
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

@@ -1,0 +1,81 @@
+"""Per-request bookkeeping. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from target_service.api_types import EngineRequest, FinishReason, Usage
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: EngineRequest
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV sits in the pages
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @classmethod
+    def from_request(cls, request: EngineRequest, seq_id: int) -> Sequence:
+        prompt = list(request.prompt_token_ids)
+        return cls(request=request, seq_id=seq_id, token_ids=prompt, num_prompt_tokens=len(prompt))
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token still lacks KV (prompt or recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+            num_drafts=self.spec.num_drafts,
+            draft_tokens=self.spec.draft_tokens,
+            accepted_tokens=self.spec.accepted_tokens,
+        )
