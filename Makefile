@@ -1,0 +1,36 @@
+# The two commands a newcomer needs: `make up` (run the stack) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_DIR ?= .demo/tiny-qwen3
+PORT ?= 50051
+
+.PHONY: setup up test protos bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# the CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	# the DFlash reference for parity tests; --no-deps: its pins (datasets, tqdm) serve only its CLI
+	$(BIN)/pip install --quiet --no-deps dflash==0.1.0
+	touch $@
+
+up: setup
+	$(BIN)/python scripts/make_tiny_model.py $(DEMO_DIR)
+	$(BIN)/splitspec-target --model $(DEMO_DIR) --port $(PORT)
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+protos: setup
+	$(BIN)/python scripts/gen_protos.py
+
+bench: setup
+	$(BIN)/python bench/bench_target.py
+
+clean:
+	rm -rf $(VENV) .demo

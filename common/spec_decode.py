@@ -1,0 +1,65 @@
+"""The accept/reject rule of speculative decoding, in one place (cf. gpt-fast).
+
+Given K draft tokens and the target's K+1 rows of logits over `[last, d1..dK]`:
+- greedy: keep the longest prefix where draft == target argmax, then the target's
+  token at the first mismatch (or the bonus token after all K);
+- sampled: accept d_i with probability min(1, p(d_i) / q(d_i)); on the first rejection
+  draw from norm(max(p - q, 0)); after K acceptances draw the bonus from p. A greedy
+  drafter has one-hot q. The output is distributed exactly as the target's samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.sampling import SamplingSpec, sample_from_probs, sampling_probs
+
+
+def accept_greedy(draft: list[int], target_argmax: list[int]) -> list[int]:
+    """target_argmax: K+1 ids. Returns the accepted drafts plus one target token."""
+    n = 0
+    while n < len(draft) and draft[n] == target_argmax[n]:
+        n += 1
+    return draft[:n] + [target_argmax[n]]
+
+
+def rejection_sample(
+    draft: list[int],
+    target_probs: torch.Tensor,  # [K+1, V]
+    draft_probs: torch.Tensor | None,  # [K, V]; None → one-hot at each draft token
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Speculative rejection sampling; returns accepted drafts plus one sampled token."""
+    uniforms = torch.rand(len(draft), generator=generator, device=target_probs.device).tolist()
+    for i, token in enumerate(draft):
+        p = float(target_probs[i, token])
+        q = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        if uniforms[i] * q < p:
+            continue
+        residual = _residual(target_probs[i], draft_probs[i] if draft_probs is not None else None, token)
+        return draft[:i] + [sample_from_probs(residual, generator)]
+    return list(draft) + [sample_from_probs(target_probs[len(draft)], generator)]
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """norm(max(p - q, 0)) for a [V] row; q None means one-hot at `token`."""
+    if q is None:
+        residual = p.clone()
+        residual[token] = 0.0
+    else:
+        residual = (p - q).clamp_min(0.0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+def verify_tokens(
+    draft: list[int],
+    logits: torch.Tensor,  # [K+1, V] target logits over [last, d1..dK]
+    spec: SamplingSpec,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
+) -> list[int]:
+    """The tokens a verify step emits for one sequence (1..K+1 of them)."""
+    if spec.greedy:
+        return accept_greedy(draft, logits.argmax(dim=-1).tolist())
+    return rejection_sample(draft, sampling_probs(logits, spec), draft_probs, generator)
