@@ -14,6 +14,7 @@ fp8 pages hold `value / scale` (clamped to the finite fp8 range); reads return
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -142,7 +143,7 @@ def gather_kv_from_pages(
     pages = kv_cache.index_select(0, block_table.reshape(-1).long())  # [B*P, 2, ...]
     pages = pages.view(num_seqs, num_pages, *kv_cache.shape[1:])
     if order == "NHD":  # [B, P, 2, ps, H, D] → [B, 2, H, P, ps, D]
-        pages = pages.permute(0, 2, 5, 1, 3, 4)
+        pages = pages.permute(0, 2, 4, 1, 3, 5)
     elif order == "HND":  # [B, P, 2, H, ps, D] → [B, 2, H, P, ps, D]
         pages = pages.permute(0, 2, 3, 1, 4, 5)
     else:
@@ -203,9 +204,10 @@ def _group_sequences(meta: AttentionMetadata) -> list[list[int]]:
 
 def _build_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> _Group:
     page_size = meta.page_size
+    all_starts = [0, *itertools.accumulate(meta.query_lens)]
     q_lens = torch.tensor([meta.query_lens[b] for b in seqs], dtype=torch.long)  # [B]
     s_lens = torch.tensor([meta.seq_lens[b] for b in seqs], dtype=torch.long)  # [B]
-    starts = torch.tensor([sum(meta.query_lens[:b]) for b in seqs], dtype=torch.long)  # [B]
+    starts = torch.tensor([all_starts[b] for b in seqs], dtype=torch.long)  # [B] first flat row
     max_q, kv_len = int(q_lens.max()), int(s_lens.max())
     num_pages = (kv_len + page_size - 1) // page_size
     table = [meta.block_tables[b][:num_pages] for b in seqs]
@@ -246,11 +248,8 @@ def build_plan(meta: AttentionMetadata, page_size: int) -> _Plan:
         raise ValueError(f"attention metadata page_size {meta.page_size} != KV layout page_size {page_size}")
     device = meta.slot_mapping.device
     groups = [_build_group(meta, seqs, device) for seqs in _group_sequences(meta)]
-    in_order = (
-        len(groups) == 1
-        and groups[0].valid_rows.numel() == meta.num_tokens
-        and groups[0].max_query * groups[0].num_seqs == meta.num_tokens
-    )
+    # One group without query padding that holds every token: its rows are 0..T-1 in order.
+    in_order = len(groups) == 1 and groups[0].max_query * groups[0].num_seqs == meta.num_tokens
     return _Plan(meta.num_tokens, meta.slot_mapping, groups, in_order)
 
 

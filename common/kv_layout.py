@@ -30,6 +30,7 @@ CACHE_DTYPE_CHOICES = ("auto", "fp8", *KV_DTYPES)
 
 LAYOUT_NOT_RESOLVED = "KV cache layout has not been resolved yet"
 REGION_ALIGNMENT = 256  # bytes; keeps every layer region aligned for vectorized kernels
+TRAILER_BYTES = REGION_ALIGNMENT
 
 
 class LayoutNotResolvedError(RuntimeError):
@@ -93,6 +94,7 @@ class StagingSpec:
     width: int
     dtype: str = "float32"
     offset: int = 0
+    layer_ids: tuple[int, ...] = ()  # target layers whose hidden states fill a row, in order
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +127,11 @@ class KVLayout:
     @property
     def torch_dtype(self) -> torch.dtype:
         return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def trailer_offset(self) -> int:
+        """Start of the bytes after every region (the handshake canary lives there)."""
+        return self.total_bytes - TRAILER_BYTES
 
     def layer(self, owner: str, index: int) -> LayerSpec:
         for spec in self.layers:
@@ -183,7 +190,8 @@ def build_layout(
     if staging is not None:
         staging = dataclasses.replace(staging, offset=cursor)
         cursor = _align(cursor + staging.nbytes)
-    return dataclasses.replace(draft, layers=tuple(placed), staging=staging, total_bytes=cursor)
+    # a trailer no region uses: the handshake canary lives there
+    return dataclasses.replace(draft, layers=tuple(placed), staging=staging, total_bytes=cursor + TRAILER_BYTES)
 
 
 def resolve_order(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -19,8 +21,19 @@ from typing import AsyncIterator
 import torch
 
 from common.attention import select_backend
-from common.kv_layout import CacheConfig, KVLayout, build_layout, bytes_per_page, canonical_kv_dtype, resolve_order
+from common.kv_layout import (
+    CacheConfig,
+    KVLayout,
+    StagingSpec,
+    build_layout,
+    bytes_per_page,
+    canonical_kv_dtype,
+    resolve_order,
+)
 from common.kv_pool import PagePool, remove_stale_shm_files
+from common.pool_transport import device_uuid, export_pool, write_canary
+from splitspec.v1 import drafter_pb2 as dpb
+from target_service import convert
 from common.sampling import SamplingSpec, make_generator
 from common.weights import resolve_model_path
 from target_service.api_types import (
@@ -35,9 +48,11 @@ from target_service.api_types import (
 )
 from target_service.block_manager import BlockManager
 from target_service.detokenizer import IncrementalDetokenizer
+from target_service.drafter_link import DrafterFacts, DrafterLink, DrafterLinkConfig, describe_rpc_error, order_enum
 from target_service.model_runner import ModelRunner
-from target_service.scheduler import Scheduler, SchedulerConfig, ScheduledSeq
+from target_service.scheduler import Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
+from target_service.speculation import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +73,19 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     seed: int = 0
     hf_cache_dir: str | None = None
+    drafter: str | None = None  # address of splitspec-draft; None → no speculation
+    internal_token: str | None = None  # shared token for the internal channel
+    num_speculative_tokens: int = 8  # the server's K: requests may ask for fewer
+    drafter_timeout_s: float = 2.0  # per-step Propose deadline
+    drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
 
     def __post_init__(self) -> None:
+        if self.drafter and not self.internal_token:
+            raise ValueError("a drafter needs the internal token (SPLITSPEC_INTERNAL_TOKEN or --internal-token-file)")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.drafter_timeout_s <= 0 or self.drafter_startup_wait_s < 0:
+            raise ValueError("drafter timeouts must be positive")
         if not self.model:
             raise ValueError("model must name a local folder or a Hugging Face id")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -126,25 +152,31 @@ class EngineCore:
     """Synchronous engine: add, abort, step. One thread at a time."""
 
     def __init__(self, config: EngineConfig, model, tokenizer, runner: ModelRunner, pool: PagePool,
-                 model_info: ModelInfo) -> None:
+                 model_info: ModelInfo, link: DrafterLink | None = None) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.runner = runner
         self.pool = pool
         self.model_info = model_info
-        layout = pool.layout
-        self.block_manager = BlockManager(layout.num_pages, layout.page_size)
+        self.block_manager = BlockManager(pool.layout.num_pages, pool.layout.page_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_info.max_model_len),
             self.block_manager,
         )
+        self.speculator = (Speculator(link, config.num_speculative_tokens, model_info.max_model_len,
+                                      model_info.vocab_size) if link is not None else None)
         self._tracked: dict[str, _Tracked] = {}
         self._next_seq_id = 0
+        self._epoch = pool.layout.epoch
 
     @property
     def layout(self) -> KVLayout:
         return self.pool.layout
+
+    @property
+    def link(self) -> DrafterLink | None:
+        return self.speculator.link if self.speculator else None
 
     @property
     def num_running(self) -> int:
@@ -171,25 +203,57 @@ class EngineCore:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
-        self.scheduler.remove(tracked.seq)
+        self._remove(tracked.seq)
         return self._finish_output(tracked, FinishReason.ABORT, ())
 
     def abort_all(self) -> list[RequestOutput]:
         return [out for rid in list(self._tracked) if (out := self.abort(rid)) is not None]
 
+    def _remove(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        """Schedule, propose, run (prefill + decode + verify), accept, emit."""
+        spec = self.speculator
+        if spec is not None and spec.link.due_for_handshake():
+            self.handshake()
+        plan = self.scheduler.schedule(spec.lookahead(self.scheduler.running) if spec else None)
+        if spec is not None:
+            for seq in plan.preempted:
+                spec.release(seq)
         if plan.is_empty:
             return []
+        drafts = spec.propose(plan.scheduled) if spec else {}
         sampling = [s for s in plan.scheduled if s.samples]
         tracked = [self._tracked[s.seq.request_id] for s in sampling]
-        tokens = self.runner.execute(plan.scheduled, [t.spec for t in tracked], [t.generator for t in tracked])
+        emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
+                                                  [t.generator for t in tracked])
+        computed_before = [s.seq.num_computed_tokens for s in plan.scheduled]
         for s in plan.scheduled:
             s.seq.num_computed_tokens += s.num_query_tokens
-        return [out for t, tok in zip(tracked, tokens) if (out := self._append_tokens(t, [tok])) is not None]
+        outputs = []
+        for t, tokens in zip(tracked, emitted):
+            draft = drafts.get(t.seq.seq_id)
+            if draft:
+                self._count_speculation(t.seq, draft, tokens)
+            if (out := self._append_tokens(t, tokens)) is not None:
+                outputs.append(out)
+        if spec is not None:
+            spec.record_step(plan.scheduled, drafts, computed_before, row_starts)
+        return outputs
+
+    @staticmethod
+    def _count_speculation(seq: Sequence, draft: list[int], emitted: list[int]) -> None:
+        accepted = len(emitted) - 1
+        seq.spec.num_drafts += 1
+        seq.spec.draft_tokens += len(draft)
+        seq.spec.accepted_tokens += accepted
+        seq.num_computed_tokens += accepted  # the accepted drafts' KV was written by the verify
 
     def _append_tokens(self, tracked: _Tracked, tokens: list[int]) -> RequestOutput | None:
-        """Append accepted tokens, check stops, return the stream's increment."""
+        """Append emitted tokens, check stops, return the stream's increment."""
         seq, detok = tracked.seq, tracked.detok
         emitted: list[int] = []
         reason = None
@@ -204,7 +268,7 @@ class EngineCore:
             text = detok.take(final=False)
             return RequestOutput(seq.request_id, tuple(emitted), text) if emitted or text else None
         del self._tracked[seq.request_id]
-        self.scheduler.remove(seq)
+        self._remove(seq)
         return self._finish_output(tracked, reason, tuple(emitted))
 
     def _stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> FinishReason | None:
@@ -225,6 +289,58 @@ class EngineCore:
         text = tracked.detok.take(final=True)
         return RequestOutput(tracked.seq.request_id, tokens, text, reason, tracked.seq.usage())
 
+    # --- the drafter handshake (DESIGN.md §3) -------------------------------------------
+
+    def negotiate_request(self) -> dpb.NegotiateRequest:
+        backend_cls = type(self.runner.backend)
+        device = self.runner.device
+        info = self.model_info
+        facts = dpb.TargetFacts(
+            architecture=info.architecture, hidden_size=info.hidden_size, vocab_size=info.vocab_size,
+            num_layers=info.num_layers, fingerprint=self.model.fingerprint(),
+            supported_orders=[order_enum(o) for o in backend_cls.supported_orders(device)],
+            preferred_order=order_enum(backend_cls.preferred_order(device)),
+            kv_dtype=convert.kv_layout_to_proto(self.layout).kv_dtype, page_size=self.layout.page_size,
+            max_num_seqs=self.config.max_num_seqs, max_tokens_per_step=self.config.max_num_batched_tokens,
+            device_type=device.type, device_uuid=device_uuid(device), max_model_len=info.max_model_len,
+        )
+        return dpb.NegotiateRequest(target_id=self.layout.target_id, target=facts,
+                                    requested_order=self.config.cache.kv_layout)
+
+    def handshake(self) -> bool:
+        """Negotiate, (re)plan the pool if the drafter's layers are not in it, attach."""
+        link = self.link
+        try:
+            facts = link.negotiate(self.negotiate_request())
+            layout = plan_layout(self.config, self.model, self.runner.device, self.model_info.max_model_len,
+                                 facts, self.layout.target_id, self._epoch + 1)
+            if not same_regions(layout, self.layout):
+                if self.scheduler.has_work:
+                    link.mark_failed("the drafter's layers are not in the KV pool; re-planning it when idle")
+                    return False
+                self._install_pool(layout)
+            self._epoch += 1
+            self.pool.layout = dataclasses.replace(self.pool.layout, epoch=self._epoch)
+            self.config.cache.resolve_layout(self.pool.layout)
+            canary = write_canary(self.pool)
+            link.attach(dpb.AttachRequest(layout=convert.kv_layout_to_proto(self.pool.layout),
+                                          pool=export_pool(self.pool),
+                                          canary=dpb.Canary(offset=canary.offset, value=canary.value)))
+        except Exception as exc:  # rejected, unreachable, or no common layout: serve without it
+            link.mark_failed(describe_rpc_error(exc))
+            return False
+        link.mark_ready(facts, self.layout.target_id, self._epoch)
+        self.speculator.reset()
+        return True
+
+    def _install_pool(self, layout: KVLayout) -> None:
+        """Replace the (idle) pool with one planned for `layout`."""
+        self.pool.close()
+        self.pool = PagePool.create(layout, self.runner.device, self.config.cache.shm_dir)
+        self.block_manager = BlockManager(layout.num_pages, layout.page_size)
+        self.scheduler.block_manager = self.block_manager
+        install_runner_pool(self.runner, self.pool, self.model.num_layers)
+
     def warmup(self) -> None:
         """One prefill and a few decodes through every code path, then free everything."""
         n = min(32, self.config.max_num_batched_tokens, self.model_info.max_model_len - 4)
@@ -234,11 +350,52 @@ class EngineCore:
             self.step()
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
         self.pool.close()
 
 
+def same_regions(a: KVLayout, b: KVLayout) -> bool:
+    """Same storage plan (an epoch bump may reuse the pool)."""
+    return (a.order, a.page_size, a.kv_dtype, a.layers, a.staging) == (b.order, b.page_size, b.kv_dtype,
+                                                                         b.layers, b.staging) and \
+        a.num_pages == b.num_pages
+
+
+def install_runner_pool(runner: ModelRunner, pool: PagePool, num_layers: int) -> None:
+    layout = pool.layout
+    kv_caches = [pool.region(layout.layer("target", i)) for i in range(num_layers)]
+    staging = pool.staging() if layout.staging is not None else None
+    capture = layout.staging.layer_ids if layout.staging is not None else ()
+    runner.install_pool(type(runner.backend)(layout), kv_caches, layout.page_size, staging, capture)
+
+
+def plan_layout(config: EngineConfig, model, device: torch.device, max_model_len: int,
+                facts: DrafterFacts | None, target_id: str, epoch: int) -> KVLayout:
+    """Every layer (target and draft) and the staging buffer in one pool, sized by the budget."""
+    cache = config.cache
+    backend_cls = select_backend(config.attention_backend, device)
+    order = resolve_order(
+        cache.kv_layout,
+        target_supported=backend_cls.supported_orders(device),
+        target_preferred=backend_cls.preferred_order(device),
+        drafter_supported=facts.supported_orders if facts else None,
+    )
+    model_dtype = next(model.parameters()).dtype
+    kv_dtype = canonical_kv_dtype(cache.cache_dtype, model_dtype)
+    specs = model.kv_layer_specs() + (list(facts.layers) if facts else [])
+    staging = None
+    if facts and facts.target_layer_ids:
+        staging = StagingSpec(rows=config.max_num_batched_tokens, width=len(facts.target_layer_ids) * model.hidden_size,
+                              dtype=str(model_dtype).removeprefix("torch."), layer_ids=tuple(facts.target_layer_ids))
+    num_pages = plan_num_pages(cache, bytes_per_page(cache.page_size, kv_dtype, specs), device,
+                               config.max_num_seqs, max_model_len)
+    return build_layout(order=order, page_size=cache.page_size, kv_dtype=kv_dtype, num_pages=num_pages,
+                        layers=specs, staging=staging, target_id=target_id, epoch=epoch)
+
+
 def build_engine_core(config: EngineConfig) -> EngineCore:
-    """Load the model, resolve the KV layout from the backend, allocate the pool."""
+    """Load the model, negotiate with the drafter, resolve the layout, allocate the pool."""
     from transformers import AutoTokenizer
 
     from common.qwen3 import Qwen3ForCausalLM
@@ -254,26 +411,17 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     model = Qwen3ForCausalLM.from_pretrained(model_path, dtype=dtype, device=device)
 
     max_model_len = _max_model_len(config, hf_config)
-    backend_cls = select_backend(config.attention_backend, device)
-    cache = config.cache
-    order = resolve_order(
-        cache.kv_layout,
-        target_supported=backend_cls.supported_orders(device),
-        target_preferred=backend_cls.preferred_order(device),
-    )
-    kv_dtype = canonical_kv_dtype(cache.cache_dtype, dtype)
-    specs = model.kv_layer_specs()
-    num_pages = plan_num_pages(cache, bytes_per_page(cache.page_size, kv_dtype, specs), device,
-                               config.max_num_seqs, max_model_len)
-    if num_pages * cache.page_size < max_model_len:
-        log.warning("KV pool holds %d tokens; capping max_model_len from %d", num_pages * cache.page_size, max_model_len)
-        max_model_len = num_pages * cache.page_size
-    layout = build_layout(order=order, page_size=cache.page_size, kv_dtype=kv_dtype, num_pages=num_pages,
-                          layers=specs, target_id=uuid.uuid4().hex[:16])
+    target_id = uuid.uuid4().hex[:16]
+    layout = plan_layout(config, model, device, max_model_len, None, target_id, 0)
+    if layout.num_pages * layout.page_size < max_model_len:
+        log.warning("KV pool holds %d tokens; capping max_model_len from %d", layout.num_pages * layout.page_size,
+                    max_model_len)
+        max_model_len = layout.num_pages * layout.page_size
     if device.type == "cpu":
-        remove_stale_shm_files(cache.shm_dir)
-    pool = PagePool.create(layout, device, cache.shm_dir)
-    cache.resolve_layout(layout)
+        remove_stale_shm_files(config.cache.shm_dir)
+    pool = PagePool.create(layout, device, config.cache.shm_dir)
+    config.cache.resolve_layout(layout)
+    backend_cls = select_backend(config.attention_backend, device)
     kv_caches = [pool.region(layout.layer("target", i)) for i in range(model.num_layers)]
     runner = ModelRunner(model, backend_cls(layout), kv_caches, layout.page_size, device)
     info = ModelInfo(
@@ -286,9 +434,17 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
     )
-    log.info("target ready: %s, %s KV, %s pages of %d tokens, order %s", info.architecture, kv_dtype,
-             num_pages, cache.page_size, order)
-    return EngineCore(config, model, tokenizer, runner, pool, info)
+    link = None
+    if config.drafter:
+        link = DrafterLink(DrafterLinkConfig(config.drafter, config.internal_token or "",
+                                             propose_timeout_s=config.drafter_timeout_s))
+    core = EngineCore(config, model, tokenizer, runner, pool, info, link)
+    if link is not None:
+        _first_handshake(core, config.drafter_startup_wait_s)
+    log.info("target ready: %s, %s KV, %s pages of %d tokens, order %s, drafter %s", info.architecture,
+             core.layout.kv_dtype, core.layout.num_pages, core.layout.page_size, core.layout.order,
+             link.describe() if link else "none")
+    return core
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:
@@ -298,6 +454,15 @@ def _max_model_len(config: EngineConfig, hf_config) -> int:
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {limit}")
     return config.max_model_len
+
+
+def _first_handshake(core: EngineCore, wait_s: float) -> None:
+    """The drafter usually starts beside the target: give it a moment before serving without it."""
+    deadline = time.monotonic() + wait_s
+    while not core.handshake():
+        if time.monotonic() >= deadline or "FAILED_PRECONDITION" in core.link.detail:
+            return
+        time.sleep(0.5)
 
 
 class AsyncEngine:

@@ -2,55 +2,106 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from common.attention_metadata import AttentionMetadata
-from common.sampling import SamplingSpec, sample_tokens
+from common.sampling import SamplingSpec
+from common.spec_decode import verify_tokens
 from target_service.scheduler import ScheduledSeq
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    row_starts: list[int]  # first query row of each scheduled sequence
 
 
 class ModelRunner:
     def __init__(self, model, backend, kv_caches: list[torch.Tensor], page_size: int, device: torch.device) -> None:
         self.model = model
+        self.device = device
+        self.install_pool(backend, kv_caches, page_size)
+
+    def install_pool(self, backend, kv_caches: list[torch.Tensor], page_size: int,
+                     staging: torch.Tensor | None = None, capture_layers: tuple[int, ...] = ()) -> None:
+        """Point the runner at (new) pool views; staging receives the captured hidden states."""
         self.backend = backend
         self.kv_caches = kv_caches  # index = target layer
         self.page_size = page_size
-        self.device = device
+        self.staging = staging  # [rows, len(capture_layers) * hidden] or None
+        self.capture_layers = capture_layers
 
-    def build_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def build_inputs(self, scheduled: list[ScheduledSeq], drafts: dict[int, list[int]]) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
+        query_lens: list[int] = []
+        row_starts: list[int] = []
         for s in scheduled:
             start = s.seq.num_computed_tokens
-            ids.extend(s.seq.token_ids[start : start + s.num_query_tokens])
-            positions.extend(range(start, start + s.num_query_tokens))
+            chunk = s.seq.token_ids[start : start + s.num_query_tokens] + drafts.get(s.seq.seq_id, [])
+            row_starts.append(len(ids))
+            ids.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+            query_lens.append(len(chunk))
         meta = AttentionMetadata.build(
-            query_lens=[s.num_query_tokens for s in scheduled],
-            seq_lens=[s.seq.num_computed_tokens + s.num_query_tokens for s in scheduled],
+            query_lens=query_lens,
+            seq_lens=[s.seq.num_computed_tokens + q for s, q in zip(scheduled, query_lens)],
             block_tables=[s.seq.block_table for s in scheduled],
             page_size=self.page_size,
             device=self.device,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        return input_ids, pos, meta
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            row_starts=row_starts,
+        )
 
     @torch.inference_mode()
-    def forward_logits(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run the scheduled chunks; logits of the last query row of each sampling sequence."""
-        input_ids, positions, meta = self.build_inputs(scheduled)
-        self.backend.plan(meta)
-        hidden, _ = self.model(input_ids, positions, meta, self.kv_caches, self.backend)  # [T, hidden]
-        ends = meta.query_start_loc[1:].long() - 1  # [B] last row of each sequence
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
-        return self.model.compute_logits(hidden[ends[rows]])  # [N, V]
-
     def execute(
         self,
         scheduled: list[ScheduledSeq],
+        drafts: dict[int, list[int]],
         specs: list[SamplingSpec],
         generators: list[torch.Generator | None],
-    ) -> list[int]:
-        """One step; a sampled token for each sequence whose chunk reached its end (in order)."""
-        logits = self.forward_logits(scheduled)
-        return sample_tokens(logits, specs, generators)
+    ) -> tuple[list[list[int]], list[int]]:
+        """One step (prefill chunks, decodes and verifies together).
+
+        Returns the tokens each sampling sequence emits (1..K+1, in order) and the first
+        staging row of every scheduled sequence.
+        """
+        inputs = self.build_inputs(scheduled, drafts)
+        self.backend.plan(inputs.meta)
+        hidden, captured = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
+                                      capture_layers=self.capture_layers)  # [T, hidden]
+        self._stage_hidden(captured, inputs.meta.num_tokens)
+        rows, spans = self._logit_rows(scheduled, drafts, inputs)
+        logits = self.model.compute_logits(hidden[rows])  # [N, V]
+        emitted = []
+        for (lo, hi, draft), spec, gen in zip(spans, specs, generators):
+            emitted.append(verify_tokens(draft, logits[lo:hi], spec, gen))
+        return emitted, inputs.row_starts
+
+    def _stage_hidden(self, captured: dict[int, torch.Tensor], num_tokens: int) -> None:
+        if self.staging is None or not self.capture_layers:
+            return
+        features = torch.cat([captured[i] for i in self.capture_layers], dim=-1)  # [T, n * hidden]
+        self.staging[:num_tokens].copy_(features)
+
+    @staticmethod
+    def _logit_rows(scheduled: list[ScheduledSeq], drafts: dict[int, list[int]], inputs: StepInputs):
+        """Rows whose logits are needed: all K+1 of a verify, else the last of a sampling chunk."""
+        rows: list[int] = []
+        spans: list[tuple[int, int, list[int]]] = []
+        for s, start, q_len in zip(scheduled, inputs.row_starts, inputs.meta.query_lens):
+            if not s.samples:
+                continue
+            draft = drafts.get(s.seq.seq_id, [])
+            first = start + q_len - 1 - len(draft)
+            spans.append((len(rows), len(rows) + len(draft) + 1, draft))
+            rows.extend(range(first, start + q_len))
+        return torch.tensor(rows, dtype=torch.long), spans

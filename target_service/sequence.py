@@ -36,6 +36,8 @@ class Sequence:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    drafter_epoch: int | None = None  # the handshake epoch whose drafter saw this sequence from its start
+    drafter_pages_sent: int = 0  # block-table entries the drafter already knows
 
     @classmethod
     def from_request(cls, request: EngineRequest, seq_id: int) -> Sequence:

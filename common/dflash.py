@@ -1,0 +1,378 @@
+"""z-lab's DFlash block-diffusion drafter, run over the shared paged KV pool.
+
+Reference: `dflash.model` (PyPI `dflash`): `DFlashDraftModel`, `Qwen3DFlashAttention`,
+`dflash_generate`. What it computes, per draft layer:
+
+- context: the target's hidden states after layers `target_layer_ids`, concatenated
+  ([T, n * hidden]), go through `fc` and `hidden_norm`; every draft layer projects that
+  one tensor with its own k_proj / v_proj (+ k_norm, RoPE at the context positions).
+  The context K/V depend only on the target's features, never on a layer's input, so
+  `write_context` computes them once per new context token and writes them to the
+  draft layers' pages, where every later proposal reads them.
+- proposal: the query block `[last token, mask x K]` at positions p..p+K (p = number of
+  context tokens) is embedded with the target's embedding, run through the Qwen3
+  decoder layers with its own K/V written at slots p..p+K (overwritten next time; no
+  rollback) and NON-causal attention over context + the whole block; the last K rows go
+  through the final norm and the target's lm_head.
+
+The checkpoint has no embedding and no lm_head: the target lends its own (`TargetHeads`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.attention import AttentionBackend, write_kv_to_pages
+from common.attention_metadata import AttentionMetadata
+from common.kv_layout import KVLayout, LayerSpec
+from common.qwen3 import DecoderLayer, ModelArgs, RMSNorm, RotaryEmbedding, WeightLoadError, apply_rope
+from common.weights import iter_safetensors, load_config, resolve_model_path
+
+ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# Config keys and tensor names only DFlash2 (dynamic convolutions + candidate selector) has.
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_TENSOR = re.compile(r"(^|\.)(candidate_selector|attention_conv|mlp_conv)\.")
+IGNORED_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+DEFAULT_BLOCK_SIZE = 16  # the reference's default when the config names none
+
+
+class DFlashConfigError(ValueError):
+    """The checkpoint is not a DFlash drafter this module can run."""
+
+
+@dataclass(frozen=True)
+class TargetHeads:
+    """The target's token embedding and output head, which the drafter borrows."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]  # [N] ids → [N, hidden]
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # [N, hidden] → [N, vocab]; no final norm
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """The DFlash-specific fields of a checkpoint config (the rest is plain Qwen3)."""
+
+    block_size: int  # 1 anchor token + up to block_size - 1 draft tokens
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    causal: bool = False  # the block attends to itself non-causally unless the config says so
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise DFlashConfigError(f"DFlash block_size must be at least 2, got {self.block_size}")
+        if self.mask_token_id < 0:
+            raise DFlashConfigError(f"DFlash mask_token_id must be a token id, got {self.mask_token_id}")
+        if not self.target_layer_ids or any(i < 0 for i in self.target_layer_ids):
+            raise DFlashConfigError(f"DFlash target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.block_size - 1
+
+    @classmethod
+    def from_hf_config(cls, config) -> DFlashConfig:
+        _reject_unsupported(config)
+        mask_token_id = _draft_value(config, "mask_token_id")
+        if mask_token_id is None:
+            raise DFlashConfigError("DFlash config has no dflash_config.mask_token_id")
+        softcap = _draft_value(config, "final_logit_softcapping")
+        return cls(
+            block_size=int(_draft_value(config, "block_size", DEFAULT_BLOCK_SIZE)),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=_target_layer_ids(config),
+            input_embedding_scale=float(_draft_value(config, "input_embedding_scale", 1.0)),
+            output_multiplier=float(_draft_value(config, "output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+            causal=bool(getattr(config, "is_causal", None) or False),
+        )
+
+
+@dataclass
+class DraftProposal:
+    token_ids: torch.Tensor  # [B, K] long, greedy
+    logits: torch.Tensor  # [B, K, V] float32, after output_multiplier and softcapping
+
+
+# ---------------------------------------------------------------------------------------
+# Config reading, mirroring the reference's lookups.
+
+
+def _draft_value(config, name: str, default=None):
+    """`dflash_config[name]`, else the top-level config field, else `default` (as the reference)."""
+    section = getattr(config, "dflash_config", None) or {}
+    return section.get(name, getattr(config, name, default))
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's default choice of target layers, spread over the stack."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _target_layer_ids(config) -> tuple[int, ...]:
+    ids = _draft_value(config, "target_layer_ids")
+    if ids is not None:
+        return tuple(int(i) for i in ids)
+    num_target_layers = getattr(config, "num_target_layers", None)
+    if num_target_layers is None:
+        raise DFlashConfigError("DFlash config names neither dflash_config.target_layer_ids nor num_target_layers")
+    return tuple(build_target_layer_ids(int(num_target_layers), config.num_hidden_layers))
+
+
+def _reject_unsupported(config) -> None:
+    architectures = list(getattr(config, "architectures", None) or [])
+    section = getattr(config, "dflash_config", None) or {}
+    if DFLASH2_ARCHITECTURE in architectures or any(key in section for key in DFLASH2_KEYS):
+        raise DFlashConfigError(
+            "DFlash2 checkpoints (dynamic convolutions and a candidate selector) are not supported; "
+            f"expected architectures [{ARCHITECTURE!r}], got {architectures}"
+        )
+    if ARCHITECTURE not in architectures:
+        raise DFlashConfigError(f"not a DFlash checkpoint: expected architectures [{ARCHITECTURE!r}], got {architectures}")
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if any(t != "full_attention" for t in layer_types):
+        raise DFlashConfigError(f"DFlash layers other than full_attention are not supported, got layer_types {layer_types}")
+
+
+def _describe_names(missing: list[str], unexpected: list[str], limit: int = 8) -> str:
+    parts = []
+    for label, names in (("missing", sorted(missing)), ("unexpected", sorted(unexpected))):
+        if names:
+            shown = ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+            parts.append(f"{len(names)} {label} tensor(s): {shown}")
+    return "; ".join(parts)
+
+
+def _read_weights(
+    folder: Path, expected: Mapping[str, torch.Size], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every expected tensor, cast and moved; strict about names and shapes."""
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for name, tensor in iter_safetensors(folder):
+        if name in expected:
+            if tensor.shape != expected[name]:
+                raise WeightLoadError(
+                    f"{folder}: DFlash tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name])}"
+                )
+            state[name] = tensor.to(device=device, dtype=dtype)
+        elif not IGNORED_TENSOR.search(name):
+            unexpected.append(name)
+    if any(DFLASH2_TENSOR.search(name) for name in unexpected):
+        raise DFlashConfigError(f"{folder}: DFlash2 tensors (candidate_selector / *_conv) are not supported")
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        raise WeightLoadError(f"{folder}: checkpoint does not match the DFlash model: {_describe_names(missing, unexpected)}")
+    return state
+
+
+# ---------------------------------------------------------------------------------------
+# Small tensor helpers.
+
+
+def context_kv(
+    attn: nn.Module,  # a common.qwen3.Attention
+    context: torch.Tensor,  # [T, hidden] fc + hidden_norm of the target features
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hkv, D], [T, Hkv, D])
+    """One layer's K/V of context tokens: k_proj → k_norm → RoPE, and v_proj."""
+    tokens = context.shape[0]
+    k = attn.k_proj(context).view(tokens, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
+    v = attn.v_proj(context).view(tokens, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
+    return apply_rope(attn.k_norm(k), cos, sin), v
+
+
+def block_token_ids(last_token_ids: torch.Tensor, num_tokens: int, mask_token_id: int) -> torch.Tensor:
+    """[B] → [B, K + 1]: each row is [last token, mask x K]."""
+    masks = last_token_ids.new_full((last_token_ids.shape[0], num_tokens), mask_token_id)  # [B, K]
+    return torch.cat([last_token_ids[:, None], masks], dim=1)
+
+
+def block_positions(context_lens: Sequence[int], num_tokens: int, device: torch.device) -> torch.Tensor:
+    """[B * (K + 1)] long: p, p + 1, ..., p + K for each sequence (p = its context length)."""
+    starts = torch.tensor(list(context_lens), dtype=torch.long, device=device)  # [B]
+    offsets = torch.arange(num_tokens + 1, dtype=torch.long, device=device)  # [K + 1]
+    return (starts[:, None] + offsets[None, :]).reshape(-1)
+
+
+def block_metadata(
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    num_tokens: int,
+    page_size: int,
+    device: torch.device,
+    causal: bool = False,
+) -> AttentionMetadata:
+    """Each sequence queries its K + 1 block rows over its context plus the whole block."""
+    return AttentionMetadata.build(
+        query_lens=[num_tokens + 1] * len(context_lens),
+        seq_lens=[p + num_tokens + 1 for p in context_lens],
+        block_tables=[list(t) for t in block_tables],
+        page_size=page_size,
+        device=device,
+        causal=causal,
+    )
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+# ---------------------------------------------------------------------------------------
+
+
+class DFlashDraftModel(nn.Module):
+    """The DFlash drafter; module names follow the checkpoint's tensor names."""
+
+    def __init__(self, config, target: TargetHeads) -> None:
+        super().__init__()
+        self.config = config
+        self.dflash = DFlashConfig.from_hf_config(config)
+        self.args = ModelArgs.from_config(config)
+        if not self.args.qk_norm:
+            raise DFlashConfigError(f"DFlash drafters are Qwen3 models (q/k norms), got model_type {self.args.model_type!r}")
+        self.target = target  # a plain dataclass: not registered as a submodule
+        hidden = self.args.hidden_size
+        self.layers = nn.ModuleList(DecoderLayer(self.args) for _ in range(self.args.num_layers))
+        self.norm = RMSNorm(hidden, self.args.rms_norm_eps)
+        self.fc = nn.Linear(len(self.dflash.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, self.args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.args.head_dim)
+
+    # -- loading ------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, target: TargetHeads, dtype: torch.dtype, device: torch.device | str
+    ) -> DFlashDraftModel:
+        """Build from a z-lab checkpoint folder (or cached HF id); strict about tensor names."""
+        folder = resolve_model_path(str(path))
+        device = torch.device(device)
+        config = load_config(folder)
+        with torch.device("meta"):
+            model = cls(config, target)
+        expected = {name: p.shape for name, p in model.state_dict().items() if not IGNORED_TENSOR.search(name)}
+        model.load_state_dict(_read_weights(folder, expected, dtype, device), strict=False, assign=True)
+        return model.to(device).eval().requires_grad_(False)
+
+    # -- facts for the handshake and the layout -------------------------------------------
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """Target layers whose output hidden state (HF `hidden_states[i + 1]`) is a feature."""
+        return list(self.dflash.target_layer_ids)
+
+    @property
+    def feature_width(self) -> int:
+        """Width of one context token's feature row: len(target_layer_ids) * hidden size."""
+        return self.fc.in_features
+
+    @property
+    def hidden_size(self) -> int:
+        return self.args.hidden_size
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.dflash.num_speculative_tokens
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def kv_layer_specs(self) -> list[LayerSpec]:
+        return [LayerSpec("draft", i, self.args.num_kv_heads, self.args.head_dim) for i in range(self.args.num_layers)]
+
+    def check_target(self, num_layers: int, hidden_size: int) -> None:
+        """Raise DFlashConfigError unless the target can feed this drafter."""
+        if hidden_size != self.hidden_size:
+            raise DFlashConfigError(f"DFlash drafter hidden size {self.hidden_size} != target hidden size {hidden_size}")
+        if max(self.dflash.target_layer_ids) >= num_layers:
+            raise DFlashConfigError(f"DFlash target_layer_ids {self.target_layer_ids} exceed the target's {num_layers} layers")
+
+    # -- context ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def write_context(
+        self,
+        features: torch.Tensor,  # [T, n * hidden] new context tokens, token-flat in meta's order
+        positions: torch.Tensor,  # [T] long
+        meta: AttentionMetadata,  # queries = the new tokens; seq_lens = context length after them
+        kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],  # index = draft layer
+        backend: AttentionBackend,
+    ) -> None:
+        """Write the context K/V of T new tokens into every draft layer's pages, once."""
+        if features.shape != (meta.num_tokens, self.feature_width) or positions.shape != (meta.num_tokens,):
+            raise ValueError(
+                f"write_context: features {tuple(features.shape)} and positions {tuple(positions.shape)} "
+                f"for {meta.num_tokens} tokens of width {self.feature_width}"
+            )
+        layout: KVLayout = backend.layout
+        context = self.hidden_norm(self.fc(features.to(self.dtype)))  # [T, hidden]
+        cos, sin = self.rotary(positions, context.dtype)  # [T, D] each
+        for i, layer in enumerate(self.layers):
+            k, v = context_kv(layer.self_attn, context, cos, sin)  # [T, Hkv, D] each
+            spec = layout.layer("draft", i)
+            write_kv_to_pages(
+                kv_caches[i], k, v, meta.slot_mapping,
+                order=layout.order, page_size=layout.page_size, k_scale=spec.k_scale, v_scale=spec.v_scale,
+            )
+
+    # -- proposal -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        last_token_ids: torch.Tensor,  # [B] long: each sequence's newest token, at position p
+        context_lens: Sequence[int],  # [B] p: context tokens already written (= last token's position)
+        block_tables: Sequence[Sequence[int]],  # [B] page ids covering p + K + 1 slots
+        kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],  # index = draft layer
+        backend: AttentionBackend,
+        num_tokens: int | None = None,  # K; defaults to block_size - 1
+    ) -> DraftProposal:
+        """Greedy draft tokens [B, K] and their logits [B, K, V], batched over sequences."""
+        k_draft = self.num_speculative_tokens if num_tokens is None else num_tokens
+        self._check_propose_args(last_token_ids, context_lens, block_tables, k_draft)
+        layout: KVLayout = backend.layout
+        device = last_token_ids.device
+        backend.plan(block_metadata(context_lens, block_tables, k_draft, layout.page_size, device, self.dflash.causal))
+        ids = block_token_ids(last_token_ids.long(), k_draft, self.dflash.mask_token_id)  # [B, K + 1]
+        hidden = self.target.embed(ids.reshape(-1)).to(self.dtype) * self.dflash.input_embedding_scale  # [T, hidden]
+        cos, sin = self.rotary(block_positions(context_lens, k_draft, device), hidden.dtype)  # [T, D] each
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_caches[i], backend, layout.layer("draft", i))  # [T, hidden]
+        drafts = hidden.view(len(context_lens), k_draft + 1, -1)[:, 1:]  # [B, K, hidden]
+        logits = self.compute_logits(self.norm(drafts.reshape(-1, drafts.shape[-1])))  # [B * K, V]
+        logits = logits.view(len(context_lens), k_draft, -1)  # [B, K, V]
+        return DraftProposal(token_ids=logits.argmax(dim=-1), logits=logits)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, V] float32
+        logits = self.target.lm_head(hidden).float() * self.dflash.output_multiplier
+        return softcap(logits, self.dflash.final_logit_softcapping)
+
+    def _check_propose_args(
+        self, last_token_ids: torch.Tensor, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], k_draft: int
+    ) -> None:
+        if not 1 <= k_draft <= self.num_speculative_tokens:
+            raise ValueError(f"propose: num_tokens must be in 1..{self.num_speculative_tokens}, got {k_draft}")
+        if last_token_ids.shape != (len(context_lens),) or len(block_tables) != len(context_lens):
+            raise ValueError(
+                f"propose: {tuple(last_token_ids.shape)} last tokens, {len(context_lens)} context lengths "
+                f"and {len(block_tables)} block tables must agree"
+            )
+        if any(p < 1 for p in context_lens):
+            raise ValueError(f"propose: every sequence needs at least one context token, got {list(context_lens)}")
+

@@ -1,0 +1,364 @@
+"""Our own Qwen3 forward over the paged KV pool (Llama and Qwen2 checkpoints fit too).
+
+Only the checkpoint's config comes from transformers (AutoConfig); the modules here
+use Hugging Face tensor names, so safetensors load straight into them.
+
+The batch is token-flat (see `AttentionMetadata`): `forward` takes [T] token ids and
+positions, runs every layer through the attention backend (which the caller has
+`plan()`ned for this step's metadata), and returns the final-normed hidden states.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.attention import AttentionBackend
+from common.attention_metadata import AttentionMetadata
+from common.kv_layout import LayerSpec
+from common.weights import iter_safetensors, load_config, resolve_model_path
+
+KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+# Tensors some checkpoints carry that a forward recomputes: skipped, not "unexpected".
+IGNORED_NAME = re.compile(r"\.rotary_emb\.inv_freq$")
+FINGERPRINT_ROWS = 64
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint's tensors do not match the model built from its config."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What the forward needs from a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, config) -> ModelArgs:
+        model_type = config.model_type
+        if model_type not in ("qwen3", "llama", "qwen2"):
+            raise ValueError(f"unsupported architecture {model_type!r} (expected qwen3, llama or qwen2)")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r}: only silu (SwiGLU) is implemented")
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(config.tie_word_embeddings),
+            qk_norm=model_type == "qwen3",
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Rotary position embedding (neox style: rotate_half over the whole head).
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the attention scaling of the config's rope."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
+        return 1.0 / (theta**exponents), 1.0
+    if rope_type not in SUPPORTED_ROPE:
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE)})")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"partial rotary embeddings are not supported ({inv_freq.numel() * 2} of {head_dim} dims)")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        with torch.device("cpu"):  # real values even when the model is built on "meta"
+            inv_freq, self.attention_scaling = rope_inv_freq(config, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D] → [T, H, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------
+# Modules (attribute names follow the Hugging Face tensor names).
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,  # [T, D]
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        spec: LayerSpec,
+    ) -> torch.Tensor:  # [T, hidden]
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache, spec, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, kv_cache, backend, spec) -> torch.Tensor:  # [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend, spec)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in the checkpoint: embedding, layers, final norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config, *, kv_scales: Mapping[tuple[int, str], float] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.args = ModelArgs.from_config(config)
+        self.model = DecoderStack(self.args)
+        self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, self.args.head_dim)
+        self._specs = _layer_specs(self.args, kv_scales or {})
+
+    # -- loading ------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str) -> Qwen3ForCausalLM:
+        """Build from a checkpoint folder (or cached HF id); strict about tensor names."""
+        folder = resolve_model_path(str(path))
+        device = torch.device(device)
+        config = load_config(folder)
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {name: p.shape for name, p in model.state_dict().items()}
+        if model.args.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+        state, scales = _read_checkpoint(folder, dtype, device, expected)
+        model.load_state_dict(state, strict=False, assign=True)
+        if model.args.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model._specs = _layer_specs(model.args, scales)
+        return model.to(device).eval().requires_grad_(False)
+
+    # -- forward ------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] → [T, hidden]
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        meta: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],  # index = layer
+        backend: AttentionBackend,
+        capture_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Final-normed hidden states [T, hidden], and {layer: hidden state after that layer}.
+
+        Captures follow Hugging Face `output_hidden_states[layer + 1]`: the residual stream
+        after the layer, except for the last layer, which HF reports after the final norm.
+        """
+        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"forward: {input_ids.shape[0]} ids and {positions.shape[0]} positions for {meta.num_tokens} planned tokens"
+            )
+        wanted = set(capture_layers)
+        if any(not 0 <= i < self.num_layers for i in wanted):
+            raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{self.num_layers - 1}")
+        hidden = self.embed(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, hidden.dtype)  # [T, D] each
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin, kv_caches[i], backend, self._specs[i])
+            if i in wanted:
+                captured[i] = hidden
+        hidden = self.model.norm(hidden)
+        if self.num_layers - 1 in wanted:
+            captured[self.num_layers - 1] = hidden
+        return hidden, captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
+        return self.lm_head(hidden).float()
+
+    # -- facts for the layout and the handshake -------------------------------------------
+
+    def kv_layer_specs(self) -> list[LayerSpec]:
+        return list(self._specs)
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.args.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    def fingerprint(self) -> str:
+        """sha256 (16 hex digits) over fixed rows of the embedding and lm_head, rounded to
+        bfloat16 so that a float32 and a bfloat16 load of one checkpoint agree."""
+        digest = hashlib.sha256()
+        for name, weight in (("embed", self.model.embed_tokens.weight), ("lm_head", self.lm_head.weight)):
+            digest.update(f"{name}:{tuple(weight.shape)}".encode())
+            digest.update(_weight_sample_bytes(weight.detach()))
+        return digest.hexdigest()[:16]
+
+
+def _layer_specs(args: ModelArgs, scales: Mapping[tuple[int, str], float]) -> tuple[LayerSpec, ...]:
+    """One pool layer per decoder layer; kv scales keyed (layer, "k" | "v"), default 1.0."""
+    return tuple(
+        LayerSpec(
+            "target", i, args.num_kv_heads, args.head_dim, k_scale=scales.get((i, "k"), 1.0), v_scale=scales.get((i, "v"), 1.0)
+        )
+        for i in range(args.num_layers)
+    )
+
+
+def _weight_sample_bytes(weight: torch.Tensor) -> bytes:
+    rows = weight.shape[0]
+    count = min(FINGERPRINT_ROWS, rows)
+    picks = sorted({i * (rows - 1) // max(count - 1, 1) for i in range(count)})
+    index = torch.tensor(picks, dtype=torch.long, device=weight.device)
+    sample = weight.index_select(0, index).to(device="cpu", dtype=torch.bfloat16)  # [rows, hidden]
+    return sample.contiguous().view(torch.int16).numpy().tobytes()
+
+
+def _read_checkpoint(
+    folder: Path, dtype: torch.dtype, device: torch.device, expected: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[tuple[int, str], float]]:
+    """Every expected tensor (cast and moved) and the per-layer kv scales; strict on names."""
+    state: dict[str, torch.Tensor] = {}
+    scales: dict[tuple[int, str], float] = {}
+    unexpected: list[str] = []
+    for name, tensor in iter_safetensors(folder):
+        if match := KV_SCALE_NAME.match(name):
+            scales[(int(match[1]), match[2])] = float(tensor.float().reshape(-1)[0])
+        elif name in expected:
+            if tensor.shape != expected[name]:
+                raise WeightLoadError(
+                    f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name])}"
+                )
+            state[name] = tensor.to(device=device, dtype=dtype)
+        elif not (IGNORED_NAME.search(name) or (name == "lm_head.weight" and "lm_head.weight" not in expected)):
+            unexpected.append(name)
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        raise WeightLoadError(f"{folder}: checkpoint does not match the model: {_describe(missing, unexpected)}")
+    return state, scales
+
+
+def _describe(missing: list[str], unexpected: list[str], limit: int = 8) -> str:
+    parts = []
+    for label, names in (("missing", missing), ("unexpected", sorted(unexpected))):
+        if names:
+            shown = ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+            parts.append(f"{len(names)} {label} tensor(s): {shown}")
+    return "; ".join(parts)

@@ -1,0 +1,1 @@
+"""splitspec: the client package (`splitspec` console command) and the generated API stubs."""

@@ -1,0 +1,158 @@
+"""`splitspec`: the command-line client (generate, info; later up and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from splitspec.v1 import generation_pb2 as pb
+from splitspec.v1 import generation_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET_ENV = "SPLITSPEC_TARGET"
+EXIT_RPC_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _default_target() -> str:
+    return os.environ.get(DEFAULT_TARGET_ENV, "127.0.0.1:50051")
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=_default_target(),
+                   help=f"target server address host:port or unix:PATH (default: ${DEFAULT_TARGET_ENV} or %(default)s)")
+    p.add_argument("--timeout", type=float, default=None, help="RPC deadline in seconds (default: none)")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="stream a completion to stdout",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_target(p)
+    p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion token limit (default: the server's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[], help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    p.add_argument("--no-speculation", action="store_true", help="decode without the drafter")
+    p.add_argument("--request-id", default="", help="request id (default: assigned by the server)")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="print model and server info")
+    _add_target(p)
+    p.set_defaults(func=cmd_info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec", description="splitspec client and tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_info(sub)
+    return parser
+
+
+def _prompt_input(args: argparse.Namespace, request: pb.GenerateRequest) -> None:
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not args.chat:
+        request.text = text
+        return
+    if args.system is not None:
+        request.chat.messages.add(role="system", content=args.system)
+    request.chat.messages.add(role="user", content=text)
+
+
+def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=args.request_id)
+    _prompt_input(args, request)
+    request.sampling.temperature = args.temperature
+    request.sampling.top_k = args.top_k
+    if args.top_p is not None:
+        request.sampling.top_p = args.top_p
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    if args.max_tokens is not None:
+        request.stop.max_tokens = args.max_tokens
+    request.stop.stop.extend(args.stop)
+    request.stop.stop_token_ids.extend(args.stop_token_id)
+    request.stop.ignore_eos = args.ignore_eos
+    request.speculation.disable = args.no_speculation
+    return request
+
+
+def format_usage(complete: pb.Complete) -> str:
+    u = complete.usage
+    reason = pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_").lower()
+    line = (f"finish_reason={reason} prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens}"
+            f" num_drafts={u.num_drafts} draft_tokens={u.draft_tokens} accepted_tokens={u.accepted_tokens}")
+    if u.draft_tokens:
+        line += f" acceptance={u.accepted_tokens / u.draft_tokens:.2f}"
+    return line
+
+
+def _stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float | None) -> pb.Complete | None:
+    call = stub.Generate(request, timeout=timeout)
+    try:
+        for response in call:
+            if response.HasField("chunk"):
+                sys.stdout.write(response.chunk.text)
+                sys.stdout.flush()
+            elif response.HasField("complete"):
+                return response.complete
+    except KeyboardInterrupt:
+        call.cancel()
+        raise
+    return None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        complete = _stream(pb_grpc.GenerationStub(channel), generate_request(args), args.timeout)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if complete is None:
+        print("error: the stream ended without a Complete message", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    print(format_usage(complete), file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from google.protobuf import text_format
+
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
+        server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout)
+    print("model:")
+    print(text_format.MessageToString(model, indent=2), end="")
+    print("server:")
+    print(text_format.MessageToString(server, indent=2), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    except ValueError as exc:  # a value protobuf cannot hold, e.g. a negative seed
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The target's side of the internal channel: handshake, Propose, Release, and fallback.
+
+Only the engine thread calls it, between steps. Any failure (down, past the per-step
+deadline, an error, garbage) turns the link UNAVAILABLE: the step runs without
+speculation and the engine re-handshakes later with exponential backoff. Every
+re-handshake bumps the epoch, so the drafter drops all state of the old one.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.auth import auth_metadata
+from common.kv_layout import ORDERS, LayerSpec
+from splitspec.v1 import drafter_pb2 as dpb
+from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
+from splitspec.v1 import kv_layout_pb2 as kv_pb
+from target_service import convert
+
+log = logging.getLogger(__name__)
+
+KIND_NAMES = {dpb.DRAFTER_KIND_DFLASH: "dflash", dpb.DRAFTER_KIND_DRAFT_MODEL: "draft_model",
+              dpb.DRAFTER_KIND_NGRAM: "ngram"}
+
+
+class LinkState(enum.Enum):
+    NONE = "none"
+    CONNECTING = "connecting"
+    READY = "ready"
+    UNAVAILABLE = "unavailable"
+
+
+class DrafterRejected(RuntimeError):
+    """The drafter answered Negotiate with an incompatibility (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class DrafterLinkConfig:
+    address: str
+    token: str
+    propose_timeout_s: float = 1.0  # the per-step deadline
+    handshake_timeout_s: float = 10.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_message_bytes: int = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ValueError("drafter address is empty")
+        if self.propose_timeout_s <= 0 or self.handshake_timeout_s <= 0:
+            raise ValueError("drafter timeouts must be positive")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+
+
+@dataclass(frozen=True)
+class DrafterFacts:
+    kind: str
+    layers: tuple[LayerSpec, ...]
+    target_layer_ids: tuple[int, ...]
+    supported_orders: tuple[str, ...]
+    num_speculative_tokens: int
+    model_id: str
+
+
+@dataclass
+class DrafterLink:
+    config: DrafterLinkConfig
+    state: LinkState = LinkState.CONNECTING
+    facts: DrafterFacts | None = None
+    epoch: int = 0
+    target_id: str = ""
+    detail: str = ""
+    num_fallback_steps: int = 0
+    _next_attempt: float = 0.0
+    _backoff: float = 0.0
+    _channel: grpc.Channel | None = field(default=None, repr=False)
+    _stub: dpb_grpc.DrafterStub | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._backoff = self.config.backoff_initial_s
+        options = [("grpc.max_send_message_length", self.config.max_message_bytes),
+                   ("grpc.max_receive_message_length", self.config.max_message_bytes)]
+        self._channel = grpc.insecure_channel(self.config.address, options=options)
+        self._stub = dpb_grpc.DrafterStub(self._channel)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is LinkState.READY
+
+    @property
+    def metadata(self):
+        return auth_metadata(self.config.token)
+
+    def due_for_handshake(self) -> bool:
+        return self.state in (LinkState.CONNECTING, LinkState.UNAVAILABLE) and time.monotonic() >= self._next_attempt
+
+    def negotiate(self, request: dpb.NegotiateRequest) -> DrafterFacts:
+        try:
+            reply = self._stub.Negotiate(request, timeout=self.config.handshake_timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise DrafterRejected(exc.details()) from exc
+            raise
+        return DrafterFacts(
+            kind=KIND_NAMES.get(reply.kind, "unknown"),
+            layers=tuple(convert.layer_spec_from_proto(spec) for spec in reply.layers),
+            target_layer_ids=tuple(reply.target_layer_ids),
+            supported_orders=tuple(ORDERS[o - 1] for o in reply.supported_orders if o in (1, 2)),
+            num_speculative_tokens=reply.num_speculative_tokens,
+            model_id=reply.model_id,
+        )
+
+    def attach(self, request: dpb.AttachRequest) -> None:
+        self._stub.Attach(request, timeout=self.config.handshake_timeout_s, metadata=self.metadata)
+
+    def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
+        return self._stub.Propose(request, timeout=self.config.propose_timeout_s, metadata=self.metadata)
+
+    def mark_ready(self, facts: DrafterFacts, target_id: str, epoch: int) -> None:
+        self.facts, self.target_id, self.epoch = facts, target_id, epoch
+        self.state, self.detail = LinkState.READY, ""
+        self._backoff = self.config.backoff_initial_s
+        log.info("drafter %s ready: %s, K=%d, epoch %d", self.config.address, facts.kind,
+                 facts.num_speculative_tokens, epoch)
+
+    def mark_failed(self, detail: str) -> None:
+        """Serve without speculation; try again after a backoff that doubles up to a cap."""
+        if self.state is not LinkState.UNAVAILABLE or detail != self.detail:
+            log.warning("drafter %s unavailable (%s); serving without speculation, retrying in %.1fs",
+                        self.config.address, detail, self._backoff)
+        self.state, self.detail = LinkState.UNAVAILABLE, detail
+        self._next_attempt = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.config.backoff_max_s)
+
+    def describe(self) -> dict:
+        facts = self.facts
+        return {
+            "state": self.state.value,
+            "address": self.config.address,
+            "kind": facts.kind if facts else "",
+            "num_speculative_tokens": facts.num_speculative_tokens if facts else 0,
+            "epoch": self.epoch,
+            "detail": self.detail,
+        }
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+
+def order_enum(order: str) -> int:
+    return kv_pb.PageOrder.Value(f"PAGE_ORDER_{order}")
+
+
+def describe_rpc_error(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

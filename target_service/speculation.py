@@ -1,0 +1,133 @@
+"""What the engine tells the drafter each step, and what it asks of it.
+
+After every forward, each sequence the drafter follows gets a `SequenceUpdate`: the
+tokens whose target KV now exists, the staging rows holding their hidden states, and
+the pages added to its block table. The next step's one batched `Propose` carries those
+updates (the staging rows are overwritten by that step's forward) together with the
+draft requests. A sequence is speculated only if the drafter of the current epoch saw it
+from position 0; any failure ends the epoch, so no half-delivered update is ever trusted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from splitspec.v1 import drafter_pb2 as dpb
+from target_service.api_types import EngineRequest
+from target_service.drafter_link import DrafterLink, describe_rpc_error
+from target_service.scheduler import ScheduledSeq
+from target_service.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Speculator:
+    link: DrafterLink
+    server_k: int
+    max_model_len: int
+    vocab_size: int
+    _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
+    _released: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """A new epoch: nothing pending belongs to it."""
+        self._pending.clear()
+        self._released.clear()
+
+    def follows(self, seq: Sequence) -> bool:
+        return self.link.ready and seq.drafter_epoch == self.link.epoch
+
+    def num_drafts_for(self, request: EngineRequest) -> int:
+        if request.speculation.disable or not self.link.ready or self.link.facts is None:
+            return 0
+        k = request.speculation.num_speculative_tokens or self.server_k
+        return min(k, self.server_k, self.link.facts.num_speculative_tokens)
+
+    def lookahead(self, running: list[Sequence]) -> dict[int, int]:
+        """Draft slots to reserve for each decoding sequence the drafter follows."""
+        wants = {}
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1 or not self.follows(seq):
+                continue
+            k = min(self.num_drafts_for(seq.request), self.max_model_len - seq.num_tokens,
+                    seq.request.stop.max_tokens - seq.num_output_tokens - 1)
+            if k > 0:
+                wants[seq.seq_id] = k
+        return wants
+
+    def propose(self, scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
+        """One batched Propose: pending updates, releases, and draft requests."""
+        if not self.link.ready:
+            return {}
+        updates = dict(self._pending)
+        for s in scheduled:
+            if s.num_lookahead_tokens and self.follows(s.seq):
+                update = updates.get(s.seq.seq_id) or self._empty_update(s.seq)
+                update.num_speculative_tokens = s.num_lookahead_tokens
+                updates[s.seq.seq_id] = update
+        if not updates and not self._released:
+            return {}
+        for s in scheduled:  # pages added by this step's scheduling
+            if s.seq.seq_id in updates:
+                self._attach_new_pages(updates[s.seq.seq_id], s.seq)
+        request = dpb.ProposeRequest(target_id=self.link.target_id, epoch=self.link.epoch,
+                                     sequences=list(updates.values()), released_seq_ids=self._released)
+        self.reset()
+        try:
+            reply = self.link.propose(request)
+        except Exception as exc:  # down, hung past the deadline, or an error: no speculation
+            self.link.mark_failed(describe_rpc_error(exc))
+            return {}
+        return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled})
+
+    def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int]) -> dict[int, list[int]]:
+        """Drop garbage: unknown sequences, out-of-vocabulary ids, more tokens than reserved."""
+        drafts = {}
+        for draft in reply.drafts:
+            limit = reserved.get(draft.seq_id, 0)
+            tokens = list(draft.token_ids)
+            if limit == 0 or not tokens:
+                continue
+            if len(tokens) > limit or any(not 0 <= t < self.vocab_size for t in tokens):
+                log.warning("drafter returned an invalid draft for sequence %d; ignored", draft.seq_id)
+                continue
+            drafts[draft.seq_id] = tokens
+        return drafts
+
+    def _empty_update(self, seq: Sequence) -> dpb.SequenceUpdate:
+        return dpb.SequenceUpdate(seq_id=seq.seq_id, context_start=seq.num_computed_tokens,
+                                  last_token_id=seq.token_ids[seq.num_computed_tokens])
+
+    @staticmethod
+    def _attach_new_pages(update: dpb.SequenceUpdate, seq: Sequence) -> None:
+        update.new_pages.extend(seq.block_table[seq.drafter_pages_sent :])
+        seq.drafter_pages_sent = len(seq.block_table)
+
+    def record_step(self, scheduled: list[ScheduledSeq], drafts: dict[int, list[int]],
+                    computed_before: list[int], row_starts: list[int]) -> None:
+        """After a forward: queue each followed sequence's new context for the next Propose."""
+        if not self.link.ready:
+            return
+        for s, start, row in zip(scheduled, computed_before, row_starts):
+            seq = s.seq
+            if start == 0 and not seq.is_finished:
+                seq.drafter_epoch, seq.drafter_pages_sent = self.link.epoch, 0  # seen from its start
+            if not self.follows(seq) or seq.is_finished:
+                continue
+            count = seq.num_computed_tokens - start
+            update = dpb.SequenceUpdate(
+                seq_id=seq.seq_id,
+                context_start=start,
+                context_token_ids=seq.token_ids[start : start + count],
+                staging_row=row,
+                last_token_id=seq.token_ids[seq.num_computed_tokens],
+            )
+            self._attach_new_pages(update, seq)
+            self._pending[seq.seq_id] = update
+
+    def release(self, seq: Sequence) -> None:
+        if self.follows(seq):
+            self._released.append(seq.seq_id)
+        self._pending.pop(seq.seq_id, None)

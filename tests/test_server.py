@@ -1,0 +1,535 @@
+"""The public gRPC API through a real `splitspec-target` process running a tiny Qwen3.
+
+Each server binds port 0 and logs the port it got; its KV pool file lives in a private
+folder under /dev/shm that must be empty again once the server is gone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from common.kv_layout import LayerSpec, StagingSpec, build_layout
+from splitspec.v1 import generation_pb2 as pb
+from splitspec.v1 import generation_pb2_grpc as pb_grpc
+from splitspec.v1 import kv_layout_pb2 as kv_pb
+from target_service import convert
+from target_service.api_types import FinishReason
+from tests.tiny_models import PROMPTS, make_qwen3
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NUM_PAGES = 128
+PAGE_SIZE = 16
+MODEL_LEN = 512  # tiny_models: max_position_embeddings
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+POOL_GLOB = "splitspec-*.kv"
+
+
+# ---------------------------------------------------------------- server process harness
+
+
+class ServerProcess:
+    """A `python -m target_service.cli` child whose log goes to a file."""
+
+    def __init__(self, model: Path, shm_dir: Path, log_path: Path, *extra: str) -> None:
+        self.log_path = log_path
+        self.shm_dir = shm_dir
+        cmd = [
+            sys.executable, "-m", "target_service.cli", "--model", str(model), "--port", "0",
+            "--num-pages", str(NUM_PAGES), "--page-size", str(PAGE_SIZE), "--shm-dir", str(shm_dir),
+            "--max-num-batched-tokens", "256", *extra,
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.address = ""
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_listening(self, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (match := LISTENING.search(self.log())) is not None:
+                self.address = f"{match[1]}:{match[2]}"
+                return self.address
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} before listening:\n{self.log()}")
+            time.sleep(0.01)
+        pytest.fail(f"server did not listen within {timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM and wait; kills (and fails) when it takes longer than timeout."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"server did not exit within {timeout} s of SIGTERM:\n{self.log()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_serving(channel: grpc.Channel, timeout: float = 120.0) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"server not SERVING within {timeout} s")
+
+
+def pool_files(shm_dir: Path) -> list[Path]:
+    return sorted(shm_dir.glob(POOL_GLOB))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture
+def shm_dir():
+    """A private folder for pool files, under /dev/shm where the host has one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
+    yield path
+    leftovers = list(path.iterdir())
+    shutil.rmtree(path, ignore_errors=True)
+    assert not leftovers, f"files left in the shm dir: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm = Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
+    proc = ServerProcess(tiny_model, shm, tmp_path_factory.mktemp("log") / "server.log", "--shutdown-grace-s", "5")
+    try:
+        proc.wait_listening()
+        with grpc.insecure_channel(proc.address) as channel:
+            wait_serving(channel)
+        yield proc
+        assert proc.stop(timeout=30) == 0, proc.log()
+        assert not pool_files(shm), "the server left its pool file behind"
+    finally:
+        proc.kill()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture
+def channel(server):
+    with grpc.insecure_channel(server.address) as ch:
+        yield ch
+
+
+@pytest.fixture
+def stub(channel) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(channel)
+
+
+# ---------------------------------------------------------------- request helpers
+
+
+def request(text: str | None = None, *, max_tokens: int | None = 8, ignore_eos: bool = True, **sampling):
+    msg = pb.GenerateRequest()
+    if text is not None:
+        msg.text = text
+    if max_tokens is not None:
+        msg.stop.max_tokens = max_tokens
+    msg.stop.ignore_eos = ignore_eos
+    for name, value in sampling.items():
+        setattr(msg.sampling, name, value)
+    return msg
+
+
+def collect(responses) -> tuple[list[int], str, pb.Complete]:
+    """Token ids, text and the Complete of a finished stream; checks Complete is last."""
+    ids, text, complete = [], "", None
+    for response in responses:
+        assert complete is None, "a message arrived after Complete"
+        if response.HasField("chunk"):
+            ids.extend(response.chunk.token_ids)
+            text += response.chunk.text
+        else:
+            complete = response.complete
+    assert complete is not None, "the stream ended without Complete"
+    return ids, text, complete
+
+
+def generate(stub, msg, timeout: float = 60) -> tuple[list[int], str, pb.Complete]:
+    return collect(stub.Generate(msg, timeout=timeout))
+
+
+def wait_pages_free(stub, timeout: float = 10.0) -> pb.ServerInfo:
+    deadline = time.monotonic() + timeout
+    info = stub.GetServerInfo(pb.GetServerInfoRequest())
+    while time.monotonic() < deadline:
+        info = stub.GetServerInfo(pb.GetServerInfoRequest())
+        if info.free_pages == info.num_pages and info.running == 0 and info.waiting == 0:
+            return info
+        time.sleep(0.02)
+    pytest.fail(f"pages not freed within {timeout} s: {info}")
+
+
+def long_request(request_id: str = "") -> pb.GenerateRequest:
+    """A stream that runs for hundreds of steps unless something ends it."""
+    msg = request("def f(x):", max_tokens=MODEL_LEN - 16)
+    msg.request_id = request_id
+    return msg
+
+
+def first_chunk(responses) -> pb.GenerateResponse:
+    response = next(responses)
+    assert response.HasField("chunk"), response
+    return response
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_health_not_serving_while_loading_then_serving_then_sigterm_drains(tiny_model, shm_dir, tmp_path):
+    grace = 4.0
+    proc = ServerProcess(tiny_model, shm_dir, tmp_path / "server.log", "--shutdown-grace-s", str(grace))
+    try:
+        address = proc.wait_listening()
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            assert next(watch).status == NOT_SERVING  # the model is still loading
+            service_watch = health.Watch(health_pb2.HealthCheckRequest(service="splitspec.v1.Generation"))
+            assert next(watch).status == SERVING
+            status = next(service_watch).status
+            if status == NOT_SERVING:
+                status = next(service_watch).status
+            assert status == SERVING
+            service_watch.cancel()
+            assert len(pool_files(shm_dir)) == 1
+
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.Generate(long_request())
+            first_chunk(stream)
+            started = time.monotonic()
+            proc.proc.send_signal(signal.SIGTERM)
+            assert next(watch).status == NOT_SERVING  # flipped before draining
+            _, _, complete = collect(stream)  # the in-flight stream ends with a Complete
+            assert complete.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT)
+            assert proc.stop(timeout=grace + 10) == 0, proc.log()
+            assert time.monotonic() - started < grace + 2, "shutdown took longer than the grace period"
+        assert not pool_files(shm_dir), "the pool file outlived the server"
+    finally:
+        proc.kill()
+
+
+def test_sigterm_right_after_listening_exits_cleanly(tiny_model, shm_dir, tmp_path):
+    proc = ServerProcess(tiny_model, shm_dir, tmp_path / "server.log")
+    try:
+        proc.wait_listening()
+        assert proc.stop(timeout=60) == 0, proc.log()
+        assert not pool_files(shm_dir)
+    finally:
+        proc.kill()
+
+
+def test_reflection_lists_the_services(channel):
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for s in next(responses).list_services_response.service}
+    assert {"splitspec.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+# ---------------------------------------------------------------- info
+
+
+def test_model_info(stub, tokenizer):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.architecture == "Qwen3ForCausalLM"
+    assert info.vocab_size == len(tokenizer)
+    assert info.max_model_len == MODEL_LEN
+    assert tokenizer.eos_token_id in info.eos_token_ids
+    assert (info.num_layers, info.hidden_size) == (2, 64)
+    assert info.dtype == "float32"
+
+
+def test_server_info_reports_the_pool_and_layout(stub):
+    info = wait_pages_free(stub)
+    assert info.num_pages == NUM_PAGES
+    layout = convert.kv_layout_from_proto(info.kv_layout)
+    assert (layout.order, layout.page_size, layout.num_pages) == ("NHD", PAGE_SIZE, NUM_PAGES)
+    assert [(spec.owner, spec.index) for spec in layout.layers] == [("target", 0), ("target", 1)]
+    assert layout.target_id and layout.total_bytes > 0
+    assert info.drafter.status == pb.DrafterState.STATUS_NONE
+
+
+def test_kv_layout_round_trips_through_proto():
+    layers = [LayerSpec("target", 0, 2, 16, k_scale=0.5), LayerSpec("draft", 0, 4, 64, v_scale=2.0)]
+    layout = build_layout(order="HND", page_size=32, kv_dtype="fp8_e4m3", num_pages=7, layers=layers,
+                          staging=StagingSpec(rows=8, width=64, dtype="bfloat16"), target_id="abc", epoch=3)
+    wire = convert.kv_layout_to_proto(layout).SerializeToString()
+    assert convert.kv_layout_from_proto(kv_pb.KVLayout.FromString(wire)) == layout
+
+
+def test_finish_reasons_match_the_engine_enum():
+    assert {r.name: int(r) for r in FinishReason} == {
+        name.removeprefix("FINISH_REASON_"): value for name, value in pb.FinishReason.items()
+    }
+
+
+# ---------------------------------------------------------------- generate
+
+
+def test_generate_from_text(stub, tokenizer):
+    ids, text, complete = generate(stub, request(PROMPTS[0], max_tokens=8))
+    assert len(ids) == 8 and text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert complete.finish_reason == pb.FINISH_REASON_LENGTH
+    assert complete.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0]))
+    assert complete.usage.completion_tokens == 8
+
+
+def test_generate_from_token_ids_matches_text(stub, tokenizer):
+    by_text = generate(stub, request(PROMPTS[1], max_tokens=6))
+    msg = request(max_tokens=6)
+    msg.token_ids.ids.extend(tokenizer.encode(PROMPTS[1]))
+    assert generate(stub, msg) == by_text
+
+
+def test_generate_from_chat_uses_the_template(stub, tokenizer):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[2]}]
+    msg = request(max_tokens=5)
+    for m in chat:
+        msg.chat.messages.add(**m)
+    ids, _, complete = generate(stub, msg)
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert complete.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    plain = request(max_tokens=5)
+    plain.token_ids.ids.extend(tokenizer.encode(rendered, add_special_tokens=False))
+    assert generate(stub, plain)[0] == ids
+
+
+def test_unset_max_tokens_uses_the_server_default(stub):
+    ids, _, complete = generate(stub, request(PROMPTS[3], max_tokens=None))
+    assert complete.finish_reason == pb.FINISH_REASON_LENGTH and len(ids) == 256  # --default-max-tokens
+
+
+def test_request_id_is_echoed_and_assigned(stub):
+    msg = request(PROMPTS[4], max_tokens=2)
+    msg.request_id = "my-id"
+    call = stub.Generate(msg)
+    assert all(r.request_id == "my-id" for r in call)
+    assert ("splitspec-request-id", "my-id") in call.initial_metadata()
+    call = stub.Generate(request(PROMPTS[4], max_tokens=2))
+    assigned = {r.request_id for r in call}
+    assert len(assigned) == 1 and "" not in assigned
+
+
+def _with(**fields):
+    """A valid request with some fields changed (dotted paths)."""
+
+    def make(tokenizer, vocab):
+        msg = request(PROMPTS[5], max_tokens=4)
+        for path, value in fields.items():
+            *parents, name = path.split(".")
+            target = msg
+            for parent in parents:
+                target = getattr(target, parent)
+            if isinstance(value, list):
+                getattr(target, name).extend(value)
+            else:
+                setattr(target, name, value)
+        return msg
+
+    return make
+
+
+def _token_ids(ids_of):
+    def make(tokenizer, vocab):
+        msg = request(max_tokens=4)
+        msg.token_ids.ids.extend(ids_of(vocab))
+        return msg
+
+    return make
+
+
+def _no_input(tokenizer, vocab):
+    return request(max_tokens=4)
+
+
+def _empty_chat(tokenizer, vocab):
+    msg = request(max_tokens=4)
+    msg.chat.SetInParent()
+    return msg
+
+
+INVALID = {
+    "no input": (_no_input, "input"),
+    "empty text": (_with(text=""), "input.text"),
+    "empty token ids": (_token_ids(lambda vocab: []), "input"),
+    "empty chat": (_empty_chat, "input.chat"),
+    "max_tokens 0": (_with(**{"stop.max_tokens": 0}), "stop.max_tokens"),
+    "max_tokens negative": (_with(**{"stop.max_tokens": -3}), "stop.max_tokens"),
+    "prompt + max_tokens over the model length": (_with(**{"stop.max_tokens": MODEL_LEN}), "stop.max_tokens"),
+    "temperature < 0": (_with(**{"sampling.temperature": -0.5}), "sampling.temperature"),
+    "temperature nan": (_with(**{"sampling.temperature": math.nan}), "sampling.temperature"),
+    "top_p 0": (_with(**{"sampling.top_p": 0.0}), "sampling.top_p"),
+    "top_p > 1": (_with(**{"sampling.top_p": 1.5}), "sampling.top_p"),
+    "top_k < 0": (_with(**{"sampling.top_k": -1}), "sampling.top_k"),
+    "seed >= 2^63": (_with(**{"sampling.seed": 2**63}), "sampling.seed"),
+    "too many stop strings": (_with(**{"stop.stop": ["x"] * 17}), "stop.stop"),
+    "negative num_speculative_tokens": (
+        _with(**{"speculation.num_speculative_tokens": -1}), "speculation.num_speculative_tokens"),
+    "token id >= vocab": (_token_ids(lambda vocab: [1, vocab, 2]), "input.token_ids"),
+    "token id < 0": (_token_ids(lambda vocab: [1, -1]), "input.token_ids"),
+    "request_id too long": (_with(request_id="x" * 300), "request_id"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID, ids=list(INVALID))
+def test_invalid_request_is_invalid_argument_naming_the_field(stub, tokenizer, case):
+    make, field_name = INVALID[case]
+    vocab = stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, make(tokenizer, vocab))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith(field_name), err.value.details()
+    _, _, complete = generate(stub, request(PROMPTS[6], max_tokens=2))  # still serving
+    assert complete.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_abort_without_request_id_is_invalid(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Abort(pb.AbortRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+    assert stub.Abort(pb.AbortRequest(request_id="no-such-request")).found is False
+
+
+# ---------------------------------------------------------------- ending streams early
+
+
+def test_client_cancel_mid_stream_frees_the_pages(stub):
+    stream = stub.Generate(long_request())
+    first_chunk(stream)
+    busy = stub.GetServerInfo(pb.GetServerInfoRequest())
+    assert busy.running == 1 and busy.free_pages < busy.num_pages
+    stream.cancel()
+    wait_pages_free(stub)
+
+
+def test_deadline_mid_stream_frees_the_pages(stub):
+    started = time.monotonic()
+    generate(stub, long_request())
+    deadline = (time.monotonic() - started) / 3  # a third of the way through the same stream
+    stream = stub.Generate(long_request(), timeout=deadline)
+    first_chunk(stream)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stream)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_pages_free(stub)
+
+
+def test_abort_rpc_ends_the_stream_with_abort(stub):
+    request_id = f"abort-{uuid.uuid4().hex}"
+    stream = stub.Generate(long_request(request_id))
+    ids = list(first_chunk(stream).chunk.token_ids)
+    assert stub.Abort(pb.AbortRequest(request_id=request_id)).found
+    rest, _, complete = collect(stream)
+    assert complete.finish_reason == pb.FINISH_REASON_ABORT
+    assert complete.usage.completion_tokens == len(ids + rest) < MODEL_LEN - 16
+    wait_pages_free(stub)
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def _mixed_requests() -> list[pb.GenerateRequest]:
+    """16 prompts of different lengths and completion lengths; every fourth one sampled."""
+    out = []
+    for i, prompt in enumerate(PROMPTS[:16]):
+        msg = request(prompt * (1 + i % 3), max_tokens=3 + 5 * i)
+        if i % 4 == 3:
+            msg.sampling.temperature = 0.8
+            msg.sampling.top_p = 0.9
+            msg.sampling.seed = 1000 + i
+        out.append(msg)
+    return out
+
+
+def test_concurrent_streams_match_their_solo_runs_and_free_every_page(stub):
+    requests = _mixed_requests()
+    solo = [generate(stub, msg) for msg in requests]
+    start = threading.Barrier(len(requests))
+
+    def run(msg):
+        start.wait()
+        return generate(stub, msg)
+
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(run, requests))
+    for i, (alone, batched) in enumerate(zip(solo, together)):
+        assert batched[0] == alone[0], f"request {i}: tokens differ when batched"
+        assert batched[1] == alone[1], f"request {i}: text differs when batched"
+        assert batched[2].finish_reason == alone[2].finish_reason
+    wait_pages_free(stub)
+
+
+# ---------------------------------------------------------------- the client CLI
+
+
+def _client_cmd() -> list[str]:
+    script = Path(sys.executable).with_name("splitspec")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "splitspec.cli"]
+
+
+def test_splitspec_generate_prints_the_text(server, stub):
+    prompt = PROMPTS[7]
+    _, expected, _ = generate(stub, request(prompt, max_tokens=12))
+    cmd = [*_client_cmd(), "generate", "--target", server.address, "--max-tokens", "12", "--ignore-eos", prompt]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    assert "completion_tokens=12" in done.stderr and "finish_reason=length" in done.stderr
+
+
+def test_splitspec_generate_reports_invalid_argument(server):
+    cmd = [*_client_cmd(), "generate", "--target", server.address, "--top-p", "2", "hi"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 1
+    assert "INVALID_ARGUMENT" in done.stderr and "sampling.top_p" in done.stderr
+
+
+def test_splitspec_info_prints_model_and_server(server):
+    done = subprocess.run([*_client_cmd(), "info", "--target", server.address], capture_output=True, text=True,
+                          timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "Qwen3ForCausalLM" in done.stdout and f"num_pages: {NUM_PAGES}" in done.stdout
