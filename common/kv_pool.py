@@ -88,7 +88,8 @@ class PagePool:
             return cls(layout, storage, device, path)
         # A plain device allocation: the caching allocator hands out cudaMalloc memory
         # (expandable segments must be off for CUDA IPC; checked by the IPC transport).
-        storage = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device).untyped_storage()
+        # zeroed: masked attention slots must never hold NaN bit patterns
+        storage = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device).untyped_storage()
         return cls(layout, storage, device)
 
     @classmethod
