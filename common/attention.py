@@ -268,7 +268,12 @@ def attend_group(
     queries = q.index_select(0, group.query_rows.reshape(-1))  # [B*Qmax, Hq, D]
     if group.is_causal:  # one sequence, no padding; GQA through SDPA itself
         out = F.scaled_dot_product_attention(
-            queries.transpose(0, 1).unsqueeze(0), k_cache, v_cache, is_causal=True, scale=scale, enable_gqa=g > 1
+            queries.transpose(0, 1).unsqueeze(0),
+            k_cache,
+            v_cache,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=g > 1,
         )  # [1, Hq, Q, D]
         return out[0].transpose(0, 1)  # [Q, Hq, D]
     # Fold the query heads that share a KV head into the query axis: [B, Hkv, G*Qmax, D].
@@ -315,7 +320,14 @@ class TorchAttentionBackend:
         plan = self._require_plan(q.shape[0])
         order, page_size = self.layout.order, self.layout.page_size
         write_kv_to_pages(
-            kv_cache, k, v, plan.slot_mapping, order=order, page_size=page_size, k_scale=spec.k_scale, v_scale=spec.v_scale
+            kv_cache,
+            k,
+            v,
+            plan.slot_mapping,
+            order=order,
+            page_size=page_size,
+            k_scale=spec.k_scale,
+            v_scale=spec.v_scale,
         )
         if plan.covers_in_order:
             return self._attend(plan.groups[0], q, kv_cache, spec, scale)
@@ -324,9 +336,16 @@ class TorchAttentionBackend:
             out.index_copy_(0, group.token_rows, self._attend(group, q, kv_cache, spec, scale))
         return out
 
-    def _attend(self, group: _Group, q: torch.Tensor, kv_cache: torch.Tensor, spec: LayerSpec, scale: float) -> torch.Tensor:
+    def _attend(
+        self, group: _Group, q: torch.Tensor, kv_cache: torch.Tensor, spec: LayerSpec, scale: float
+    ) -> torch.Tensor:
         k_cache, v_cache = gather_kv_from_pages(
-            kv_cache, group.block_table, order=self.layout.order, dtype=q.dtype, k_scale=spec.k_scale, v_scale=spec.v_scale
+            kv_cache,
+            group.block_table,
+            order=self.layout.order,
+            dtype=q.dtype,
+            k_scale=spec.k_scale,
+            v_scale=spec.v_scale,
         )  # [B, Hkv, S', D] each
         return attend_group(group, q, k_cache, v_cache, scale)
 

@@ -73,7 +73,9 @@ class DFlashConfig:
         if self.mask_token_id < 0:
             raise DFlashConfigError(f"DFlash mask_token_id must be a token id, got {self.mask_token_id}")
         if not self.target_layer_ids or any(i < 0 for i in self.target_layer_ids):
-            raise DFlashConfigError(f"DFlash target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
+            raise DFlashConfigError(
+                f"DFlash target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}"
+            )
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -128,7 +130,9 @@ def _target_layer_ids(config) -> tuple[int, ...]:
         return tuple(int(i) for i in ids)
     num_target_layers = getattr(config, "num_target_layers", None)
     if num_target_layers is None:
-        raise DFlashConfigError("DFlash config names neither dflash_config.target_layer_ids nor num_target_layers")
+        raise DFlashConfigError(
+            "DFlash config names neither dflash_config.target_layer_ids nor num_target_layers"
+        )
     return tuple(build_target_layer_ids(int(num_target_layers), config.num_hidden_layers))
 
 
@@ -141,17 +145,22 @@ def _reject_unsupported(config) -> None:
             f"expected architectures [{ARCHITECTURE!r}], got {architectures}"
         )
     if ARCHITECTURE not in architectures:
-        raise DFlashConfigError(f"not a DFlash checkpoint: expected architectures [{ARCHITECTURE!r}], got {architectures}")
+        raise DFlashConfigError(
+            f"not a DFlash checkpoint: expected architectures [{ARCHITECTURE!r}], got {architectures}"
+        )
     layer_types = list(getattr(config, "layer_types", None) or [])
     if any(t != "full_attention" for t in layer_types):
-        raise DFlashConfigError(f"DFlash layers other than full_attention are not supported, got layer_types {layer_types}")
+        raise DFlashConfigError(
+            f"DFlash layers other than full_attention are not supported, got layer_types {layer_types}"
+        )
 
 
 def _describe_names(missing: list[str], unexpected: list[str], limit: int = 8) -> str:
     parts = []
     for label, names in (("missing", sorted(missing)), ("unexpected", sorted(unexpected))):
         if names:
-            shown = ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+            more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+            shown = ", ".join(names[:limit]) + more
             parts.append(f"{len(names)} {label} tensor(s): {shown}")
     return "; ".join(parts)
 
@@ -166,7 +175,8 @@ def _read_weights(
         if name in expected:
             if tensor.shape != expected[name]:
                 raise WeightLoadError(
-                    f"{folder}: DFlash tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name])}"
+                    f"{folder}: DFlash tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the config implies {tuple(expected[name])}"
                 )
             state[name] = tensor.to(device=device, dtype=dtype)
         elif not IGNORED_TENSOR.search(name):
@@ -175,7 +185,9 @@ def _read_weights(
         raise DFlashConfigError(f"{folder}: DFlash2 tensors (candidate_selector / *_conv) are not supported")
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
-        raise WeightLoadError(f"{folder}: checkpoint does not match the DFlash model: {_describe_names(missing, unexpected)}")
+        raise WeightLoadError(
+            f"{folder}: checkpoint does not match the DFlash model: {_describe_names(missing, unexpected)}"
+        )
     return state
 
 
@@ -244,7 +256,9 @@ class DFlashDraftModel(nn.Module):
         self.dflash = DFlashConfig.from_hf_config(config)
         self.args = ModelArgs.from_config(config)
         if not self.args.qk_norm:
-            raise DFlashConfigError(f"DFlash drafters are Qwen3 models (q/k norms), got model_type {self.args.model_type!r}")
+            raise DFlashConfigError(
+                f"DFlash drafters are Qwen3 models (q/k norms), got model_type {self.args.model_type!r}"
+            )
         self.target = target  # a plain dataclass: not registered as a submodule
         hidden = self.args.hidden_size
         self.layers = nn.ModuleList(DecoderLayer(self.args) for _ in range(self.args.num_layers))
@@ -265,7 +279,9 @@ class DFlashDraftModel(nn.Module):
         config = load_config(folder)
         with torch.device("meta"):
             model = cls(config, target)
-        expected = {name: p.shape for name, p in model.state_dict().items() if not IGNORED_TENSOR.search(name)}
+        expected = {
+            name: p.shape for name, p in model.state_dict().items() if not IGNORED_TENSOR.search(name)
+        }
         model.load_state_dict(_read_weights(folder, expected, dtype, device), strict=False, assign=True)
         return model.to(device).eval().requires_grad_(False)
 
@@ -294,14 +310,19 @@ class DFlashDraftModel(nn.Module):
         return self.fc.weight.dtype
 
     def kv_layer_specs(self) -> list[LayerSpec]:
-        return [LayerSpec("draft", i, self.args.num_kv_heads, self.args.head_dim) for i in range(self.args.num_layers)]
+        heads, head_dim = self.args.num_kv_heads, self.args.head_dim
+        return [LayerSpec("draft", i, heads, head_dim) for i in range(self.args.num_layers)]
 
     def check_target(self, num_layers: int, hidden_size: int) -> None:
         """Raise DFlashConfigError unless the target can feed this drafter."""
         if hidden_size != self.hidden_size:
-            raise DFlashConfigError(f"DFlash drafter hidden size {self.hidden_size} != target hidden size {hidden_size}")
+            raise DFlashConfigError(
+                f"DFlash drafter hidden size {self.hidden_size} != target hidden size {hidden_size}"
+            )
         if max(self.dflash.target_layer_ids) >= num_layers:
-            raise DFlashConfigError(f"DFlash target_layer_ids {self.target_layer_ids} exceed the target's {num_layers} layers")
+            raise DFlashConfigError(
+                f"DFlash target_layer_ids {self.target_layer_ids} exceed the target's {num_layers} layers"
+            )
 
     # -- context ------------------------------------------------------------------------
 
@@ -314,7 +335,9 @@ class DFlashDraftModel(nn.Module):
         kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],  # index = draft layer
         backend: AttentionBackend,
     ) -> None:
-        """Write the context K/V of T new tokens into every draft layer's pages, once."""
+        """Write the context K/V of T new tokens into every draft layer's pages, once.
+
+        Nothing attends here: `backend` only lends its `layout` (order, page size, scales)."""
         if features.shape != (meta.num_tokens, self.feature_width) or positions.shape != (meta.num_tokens,):
             raise ValueError(
                 f"write_context: features {tuple(features.shape)} and positions {tuple(positions.shape)} "
@@ -348,9 +371,12 @@ class DFlashDraftModel(nn.Module):
         self._check_propose_args(last_token_ids, context_lens, block_tables, k_draft)
         layout: KVLayout = backend.layout
         device = last_token_ids.device
-        backend.plan(block_metadata(context_lens, block_tables, k_draft, layout.page_size, device, self.dflash.causal))
+        backend.plan(
+            block_metadata(context_lens, block_tables, k_draft, layout.page_size, device, self.dflash.causal)
+        )
         ids = block_token_ids(last_token_ids.long(), k_draft, self.dflash.mask_token_id)  # [B, K + 1]
-        hidden = self.target.embed(ids.reshape(-1)).to(self.dtype) * self.dflash.input_embedding_scale  # [T, hidden]
+        hidden = self.target.embed(ids.reshape(-1)).to(self.dtype)  # [T, hidden], T = B * (K + 1)
+        hidden = hidden * self.dflash.input_embedding_scale
         cos, sin = self.rotary(block_positions(context_lens, k_draft, device), hidden.dtype)  # [T, D] each
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_caches[i], backend, layout.layer("draft", i))  # [T, hidden]
@@ -364,15 +390,23 @@ class DFlashDraftModel(nn.Module):
         return softcap(logits, self.dflash.final_logit_softcapping)
 
     def _check_propose_args(
-        self, last_token_ids: torch.Tensor, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], k_draft: int
+        self,
+        last_token_ids: torch.Tensor,
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        k_draft: int,
     ) -> None:
         if not 1 <= k_draft <= self.num_speculative_tokens:
-            raise ValueError(f"propose: num_tokens must be in 1..{self.num_speculative_tokens}, got {k_draft}")
+            raise ValueError(
+                f"propose: num_tokens must be in 1..{self.num_speculative_tokens}, got {k_draft}"
+            )
         if last_token_ids.shape != (len(context_lens),) or len(block_tables) != len(context_lens):
             raise ValueError(
                 f"propose: {tuple(last_token_ids.shape)} last tokens, {len(context_lens)} context lengths "
                 f"and {len(block_tables)} block tables must agree"
             )
         if any(p < 1 for p in context_lens):
-            raise ValueError(f"propose: every sequence needs at least one context token, got {list(context_lens)}")
+            raise ValueError(
+                f"propose: every sequence needs at least one context token, got {list(context_lens)}"
+            )
 

@@ -60,7 +60,9 @@ class ModelArgs:
         if model_type not in ("qwen3", "llama", "qwen2"):
             raise ValueError(f"unsupported architecture {model_type!r} (expected qwen3, llama or qwen2)")
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r}: only silu (SwiGLU) is implemented")
+            raise ValueError(
+                f"unsupported activation {config.hidden_act!r}: only silu (SwiGLU) is implemented"
+            )
         if getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -100,7 +102,9 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     if inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported ({inv_freq.numel() * 2} of {head_dim} dims)")
+        raise ValueError(
+            f"partial rotary embeddings are not supported ({inv_freq.numel() * 2} of {head_dim} dims)"
+        )
     return inv_freq.float(), float(scaling)
 
 
@@ -227,7 +231,9 @@ class Qwen3ForCausalLM(nn.Module):
     # -- loading ------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype, device: torch.device | str) -> Qwen3ForCausalLM:
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype, device: torch.device | str
+    ) -> Qwen3ForCausalLM:
         """Build from a checkpoint folder (or cached HF id); strict about tensor names."""
         folder = resolve_model_path(str(path))
         device = torch.device(device)
@@ -265,7 +271,8 @@ class Qwen3ForCausalLM(nn.Module):
         """
         if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
             raise ValueError(
-                f"forward: {input_ids.shape[0]} ids and {positions.shape[0]} positions for {meta.num_tokens} planned tokens"
+                f"forward: {input_ids.shape[0]} ids and {positions.shape[0]} positions "
+                f"for {meta.num_tokens} tokens in the attention metadata"
             )
         wanted = set(capture_layers)
         if any(not 0 <= i < self.num_layers for i in wanted):
@@ -316,7 +323,12 @@ def _layer_specs(args: ModelArgs, scales: Mapping[tuple[int, str], float]) -> tu
     """One pool layer per decoder layer; kv scales keyed (layer, "k" | "v"), default 1.0."""
     return tuple(
         LayerSpec(
-            "target", i, args.num_kv_heads, args.head_dim, k_scale=scales.get((i, "k"), 1.0), v_scale=scales.get((i, "v"), 1.0)
+            "target",
+            i,
+            args.num_kv_heads,
+            args.head_dim,
+            k_scale=scales.get((i, "k"), 1.0),
+            v_scale=scales.get((i, "v"), 1.0),
         )
         for i in range(args.num_layers)
     )
@@ -344,14 +356,19 @@ def _read_checkpoint(
         elif name in expected:
             if tensor.shape != expected[name]:
                 raise WeightLoadError(
-                    f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name])}"
+                    f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the config implies {tuple(expected[name])}"
                 )
             state[name] = tensor.to(device=device, dtype=dtype)
-        elif not (IGNORED_NAME.search(name) or (name == "lm_head.weight" and "lm_head.weight" not in expected)):
+        elif not (
+            IGNORED_NAME.search(name) or (name == "lm_head.weight" and "lm_head.weight" not in expected)
+        ):
             unexpected.append(name)
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
-        raise WeightLoadError(f"{folder}: checkpoint does not match the model: {_describe(missing, unexpected)}")
+        raise WeightLoadError(
+            f"{folder}: checkpoint does not match the model: {_describe(missing, unexpected)}"
+        )
     return state, scales
 
 
@@ -359,6 +376,8 @@ def _describe(missing: list[str], unexpected: list[str], limit: int = 8) -> str:
     parts = []
     for label, names in (("missing", missing), ("unexpected", sorted(unexpected))):
         if names:
-            shown = ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+            shown = ", ".join(names[:limit]) + (
+                f" (+{len(names) - limit} more)" if len(names) > limit else ""
+            )
             parts.append(f"{len(names)} {label} tensor(s): {shown}")
     return "; ".join(parts)

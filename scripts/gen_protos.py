@@ -69,14 +69,15 @@ def remove_orphans(out: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument(
         "--out",
         type=Path,
         default=REPO_ROOT,
         help="directory the package path (splitspec/v1/...) is written under (default: the repo root)",
     )
-    parser.add_argument("--protos", type=Path, default=PROTO_ROOT, help="root of the .proto tree (default: protos/)")
+    parser.add_argument("--protos", type=Path, default=PROTO_ROOT, help="root of the .proto tree")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     run_protoc(args.out, args.protos)

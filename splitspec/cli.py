@@ -23,24 +23,23 @@ def _default_target() -> str:
 
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=_default_target(),
-                   help=f"target server address host:port or unix:PATH (default: ${DEFAULT_TARGET_ENV} or %(default)s)")
+                   help=f"host:port or unix:PATH (default: ${DEFAULT_TARGET_ENV} or %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="RPC deadline in seconds (default: none)")
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="stream a completion to stdout",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("generate", help="stream a completion to stdout")
     _add_target(p)
     p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=int, default=None, help="completion token limit (default: the server's)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion token limit (else the server's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1)")
-    p.add_argument("--top-k", type=int, default=0, help="0 is off")
+    p.add_argument("--top-k", type=int, default=0, help="0 is off (default: 0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=int, default=[], help="stop token id (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[], help="stop token id (repeats)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     p.add_argument("--no-speculation", action="store_true", help="decode without the drafter")
     p.add_argument("--request-id", default="", help="request id (default: assigned by the server)")
@@ -99,7 +98,8 @@ def format_usage(complete: pb.Complete) -> str:
     return line
 
 
-def _stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float | None) -> pb.Complete | None:
+def _stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float | None):
+    """Write chunks to stdout as they arrive; the Complete, or None if the stream had none."""
     call = stub.Generate(request, timeout=timeout)
     try:
         for response in call:

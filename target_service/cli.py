@@ -41,28 +41,39 @@ def _fraction(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' unless X is None or the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="splitspec-target",
         description="Serve a Qwen3-family model over gRPC (splitspec.v1.Generation) with a paged KV cache.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     model = p.add_argument_group("model")
-    model.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face id (from the local cache)")
+    model.add_argument("--model", required=True,
+                       help="local checkpoint folder or Hugging Face id (from the local cache)")
     model.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
-    model.add_argument("--hf-cache-dir", default=None, help="Hugging Face cache to resolve ids from (default: HF's)")
+    model.add_argument("--hf-cache-dir", default=None, help="Hugging Face cache to resolve ids from")
     model.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="prompt + completion token limit (default: from the model config)")
-    model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
-    model.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
+                       help="attention kernels (auto: the best one for the device)")
+    model.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
 
     cache = p.add_argument_group("KV cache")
     cache.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
                        help="KV page dtype (auto: the model dtype; fp8 = fp8_e4m3)")
-    cache.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (a power of two)")
+    cache.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (a power of two)")
     cache.add_argument("--kv-layout", default="auto", choices=("auto", "NHD", "HND"),
                        help="page order (auto: the attention backend's preference)")
     budget = cache.add_mutually_exclusive_group()
@@ -70,17 +81,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV pool budget, e.g. 2GiB")
     budget.add_argument("--kv-cache-memory-fraction", type=_fraction, default=0.5,
                         help="KV pool budget as a fraction of free device memory")
-    cache.add_argument("--num-pages", type=_positive_int, default=None, help="exact pool size in pages (overrides the budget)")
+    cache.add_argument("--num-pages", type=_positive_int, default=None,
+                       help="exact pool size in pages (overrides the budget)")
     cache.add_argument("--shm-dir", default="/dev/shm", help="where the CPU pool's shared-memory file lives")
 
     sched = p.add_argument_group("scheduling")
-    sched.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences in the running batch")
+    sched.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences in a running batch")
     sched.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,
                        help="token budget of one step (prefill is chunked to fit)")
     sched.add_argument("--max-waiting", type=_positive_int, default=1024,
                        help="waiting requests before RESOURCE_EXHAUSTED")
     sched.add_argument("--default-max-tokens", type=_positive_int, default=256,
                        help="max_tokens when a request leaves it unset (capped at the model length)")
+
+    spec = p.add_argument_group("speculation")
+    spec.add_argument("--drafter", default=None, metavar="ADDR",
+                      help="splitspec-draft address (host:port or unix:PATH); without it, no speculation")
+    spec.add_argument("--internal-token-file", default=None,
+                      help="file with the internal channel's shared token (else $SPLITSPEC_INTERNAL_TOKEN)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=8,
+                      help="the server's K; requests may ask for fewer")
+    spec.add_argument("--drafter-timeout-s", type=float, default=2.0, help="per-step Propose deadline")
+    spec.add_argument("--drafter-startup-wait-s", type=float, default=30.0,
+                      help="how long the first handshake may wait for the drafter")
 
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
@@ -105,6 +128,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 
 def serve_config(args: argparse.Namespace):
+    from common.auth import load_internal_token
     from target_service.convert import RequestDefaults
     from target_service.engine import EngineConfig
     from target_service.server import ServeConfig
@@ -122,6 +146,11 @@ def serve_config(args: argparse.Namespace):
         cache=cache_config(args),
         seed=args.seed,
         hf_cache_dir=args.hf_cache_dir,
+        drafter=args.drafter,
+        internal_token=load_internal_token(args.internal_token_file) if args.drafter else None,
+        num_speculative_tokens=args.num_speculative_tokens,
+        drafter_timeout_s=args.drafter_timeout_s,
+        drafter_startup_wait_s=args.drafter_startup_wait_s,
     )
     return ServeConfig(
         engine=engine,
@@ -143,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = serve_config(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         parser.error(str(exc))
     from target_service.server import serve
 

@@ -15,7 +15,6 @@ from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service.api_types import (
     EngineRequest,
-    FinishReason,
     InvalidRequestError,
     ModelInfo,
     RequestOutput,
@@ -151,10 +150,6 @@ def usage(u: Usage) -> pb.Usage:
     )
 
 
-def finish_reason(value: int) -> FinishReason:
-    return FinishReason(value)
-
-
 def model_info(info: ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(
         model_id=info.model_id,
@@ -184,16 +179,20 @@ def server_info(info: dict) -> pb.ServerInfo:
 
 def drafter_state(state: dict) -> pb.DrafterState:
     """The engine's drafter dict ({"state": "none"|"connecting"|"ready"|"unavailable", ...})."""
-    name = str(state.get("state") or state.get("status") or "unspecified").upper()
-    status = pb.DrafterState.Status.Value(f"STATUS_{name}") if f"STATUS_{name}" in pb.DrafterState.Status.keys() else 0
     return pb.DrafterState(
-        status=status,
+        status=_drafter_status(state.get("state", "")),
         address=state.get("address", ""),
         kind=state.get("kind", ""),
         num_speculative_tokens=state.get("num_speculative_tokens", 0),
         epoch=state.get("epoch", 0),
-        detail=state.get("detail") or state.get("error") or "",
+        detail=state.get("detail", ""),
     )
+
+
+def _drafter_status(name: str) -> int:
+    key = f"STATUS_{name.upper()}"
+    statuses = pb.DrafterState.Status
+    return statuses.Value(key) if key in statuses.keys() else pb.DrafterState.STATUS_UNSPECIFIED
 
 
 # ---------------------------------------------------------------- KV layout (both directions)
@@ -273,4 +272,5 @@ def layer_spec_from_proto(msg: kv_pb.LayerSpec) -> LayerSpec:
 
 def staging_spec_from_proto(msg: kv_pb.StagingSpec) -> StagingSpec:
     dtype = _enum_name(kv_pb.KVDtype, "KV_DTYPE_", msg.dtype, lower=True)
-    return StagingSpec(rows=msg.rows, width=msg.width, dtype=dtype, offset=msg.offset, layer_ids=tuple(msg.layer_ids))
+    return StagingSpec(rows=msg.rows, width=msg.width, dtype=dtype, offset=msg.offset,
+                       layer_ids=tuple(msg.layer_ids))

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "splitspec.v1.Generation"
 HEALTH_SERVICES = ("", SERVICE_NAME)
+HEALTH_SERVING = health_pb2.HealthCheckResponse.SERVING
+HEALTH_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 REQUEST_ID_METADATA = "splitspec-request-id"
 MiB = 1 << 20
 
@@ -143,7 +145,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self._slot.require()
-        engine_request = convert.engine_request(request, engine.tokenizer(), engine.model_info, self._defaults)
+        tokenizer, info = engine.tokenizer(), engine.model_info
+        engine_request = convert.engine_request(request, tokenizer, info, self._defaults)
         outputs = engine.generate(engine_request)
         # Closing the engine's iterator (on cancel, deadline or a failed write) frees the
         # sequence and its pages at the next step.
@@ -199,7 +202,7 @@ class RunningServer:
     port: int
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = HEALTH_SERVING if serving else HEALTH_NOT_SERVING
         for service in HEALTH_SERVICES:
             await self.health.set(service, status)
 
@@ -214,7 +217,8 @@ def _channel_options(config: ServeConfig) -> list[tuple[str, int]]:
 
 async def start_server(config: ServeConfig) -> RunningServer:
     """Listen with every service registered and health NOT_SERVING."""
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor((SERVICE_NAME,))], options=_channel_options(config))
+    interceptors = [ErrorMappingInterceptor((SERVICE_NAME,))]
+    server = grpc.aio.server(interceptors=interceptors, options=_channel_options(config))
     slot = EngineSlot()
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(slot, config.defaults), server)
     health_servicer = health.aio.HealthServicer()
@@ -259,13 +263,14 @@ async def _build_engine(config: EngineConfig, stop: asyncio.Event, build) -> Asy
 async def _drain(running: RunningServer, engine: AsyncEngine | None, grace_s: float) -> None:
     """NOT_SERVING, stop admitting, let in-flight streams finish within grace_s, stop."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_s
+    started = loop.time()
     await running.set_serving(False)
     if engine is not None:
         engine.stop_admitting()
         reserve = min(1.0, grace_s / 10)  # time left for the aborted streams to send Complete
         await engine.shutdown(max(0.0, grace_s - reserve))
-    await running.server.stop(max(0.0, deadline - loop.time()))
+    await running.server.stop(max(0.0, started + grace_s - loop.time()))
+    log.info("drained in %.2f s (grace %.1f s)", loop.time() - started, grace_s)
 
 
 async def serve(config: ServeConfig, build: Callable[[EngineConfig], AsyncEngine] = AsyncEngine.build) -> int:

@@ -56,7 +56,9 @@ class Harness:
         pages_needed = [math.ceil(n / PAGE_SIZE) for n in seq_lens]
         num_pages = sum(pages_needed) + 3
         spec = LayerSpec("target", 0, kv_heads, HEAD_DIM, k_scale=k_scale, v_scale=v_scale)
-        self.layout = build_layout(order=order, page_size=PAGE_SIZE, kv_dtype=kv_dtype, num_pages=num_pages, layers=[spec])
+        self.layout = build_layout(
+            order=order, page_size=PAGE_SIZE, kv_dtype=kv_dtype, num_pages=num_pages, layers=[spec]
+        )
         self.spec = self.layout.layers[0]
         self.cache = torch.zeros(self.layout.region_shape(self.spec), dtype=self.layout.torch_dtype)
         ids = list(range(1, num_pages))  # page 0 stays unused, as padding
@@ -88,7 +90,9 @@ class Harness:
         out = self.backend.forward(q, k, v, self.cache, self.spec, self.scale)
         return list(out.split([e - s for s, e in spans]))
 
-    def reference(self, b: int, start: int, end: int, causal: bool = True, round_trip: bool = False) -> torch.Tensor:
+    def reference(
+        self, b: int, start: int, end: int, causal: bool = True, round_trip: bool = False
+    ) -> torch.Tensor:
         k, v = self.k[b][:end], self.v[b][:end]  # [S, Hkv, D]
         if round_trip:
             dtype = self.layout.torch_dtype
@@ -230,7 +234,9 @@ def test_half_precision_pages(kv_dtype, rtol):
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float32])
 def test_write_read_round_trip_with_scales(order, dtype):
-    cache = torch.zeros(6, 2, *((PAGE_SIZE, 2, HEAD_DIM) if order == "NHD" else (2, PAGE_SIZE, HEAD_DIM)), dtype=dtype)
+    cache = torch.zeros(
+        6, 2, *((PAGE_SIZE, 2, HEAD_DIM) if order == "NHD" else (2, PAGE_SIZE, HEAD_DIM)), dtype=dtype
+    )
     k = torch.randn(5, 2, HEAD_DIM) * 30  # wide values: scales matter
     v = torch.randn(5, 2, HEAD_DIM) * 0.01
     slots = torch.tensor([5 * PAGE_SIZE + 3, 2 * PAGE_SIZE, 2 * PAGE_SIZE + 1, 0, 3 * PAGE_SIZE + 2])
@@ -253,7 +259,9 @@ def test_write_read_round_trip_with_scales(order, dtype):
     )
     assert k_all.shape == (1, 2, 2 * PAGE_SIZE, HEAD_DIM)
     torch.testing.assert_close(k_all[0, :, 1], k[2], rtol=rtol, atol=k_scale * 2**-8 if fp8 else 1e-5)
-    torch.testing.assert_close(k_all[0, :, PAGE_SIZE + 2], k[4], rtol=rtol, atol=k_scale * 2**-8 if fp8 else 1e-5)
+    torch.testing.assert_close(
+        k_all[0, :, PAGE_SIZE + 2], k[4], rtol=rtol, atol=k_scale * 2**-8 if fp8 else 1e-5
+    )
 
 
 def test_quantize_clamps_to_finite_fp8_range():
@@ -262,7 +270,9 @@ def test_quantize_clamps_to_finite_fp8_range():
         q = quantize(x, dtype)
         assert torch.isfinite(q.float()).all()
         assert q.float()[0] == torch.finfo(dtype).max and q.float()[1] == -torch.finfo(dtype).max
-    assert dequantize(quantize(torch.tensor([8.0]), torch.float8_e4m3fn, 4.0), torch.float32, 4.0).item() == 8.0
+    assert (
+        dequantize(quantize(torch.tensor([8.0]), torch.float8_e4m3fn, 4.0), torch.float32, 4.0).item() == 8.0
+    )
 
 
 def test_forward_without_plan_is_a_clear_error():

@@ -32,7 +32,12 @@ CPU = torch.device("cpu")
 PAGE_SIZE = 4
 NEW_TOKENS = 32
 LOGIT_ATOL = 1e-4
-QUANTIZED_KV_BOUNDS = {"fp8_e4m3": 0.3, "fp8_e5m2": 0.5, "bfloat16": 0.02, "float16": 0.003}  # max diff / logit std
+QUANTIZED_KV_BOUNDS = {
+    "fp8_e4m3": 0.3,
+    "fp8_e5m2": 0.5,
+    "bfloat16": 0.02,
+    "float16": 0.003,
+}  # max diff / logit std
 
 
 # ---------------------------------------------------------------------------------------
@@ -59,10 +64,16 @@ def make_llama_family(out_dir: Path, model_type: str) -> Path:
     )
     if model_type == "llama":
         rope = dict(
-            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
             original_max_position_embeddings=64,
         )
-        config = LlamaConfig(**fields, head_dim=16, attention_bias=True, tie_word_embeddings=True, rope_parameters=rope)
+        config = LlamaConfig(
+            **fields, head_dim=16, attention_bias=True, tie_word_embeddings=True, rope_parameters=rope
+        )
         cls = LlamaForCausalLM
     else:
         config = Qwen2Config(**fields, tie_word_embeddings=False)
@@ -115,10 +126,23 @@ class Seq:
 
 
 class PagedRunner:
-    def __init__(self, model: Qwen3ForCausalLM, shm_dir: Path, *, order: str = "NHD", kv_dtype: str = "float32",
-                 num_pages: int = 512) -> None:
-        layout = build_layout(order=order, page_size=PAGE_SIZE, kv_dtype=kv_dtype, num_pages=num_pages,
-                              layers=model.kv_layer_specs(), target_id="7e57")
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        shm_dir: Path,
+        *,
+        order: str = "NHD",
+        kv_dtype: str = "float32",
+        num_pages: int = 512,
+    ) -> None:
+        layout = build_layout(
+            order=order,
+            page_size=PAGE_SIZE,
+            kv_dtype=kv_dtype,
+            num_pages=num_pages,
+            layers=model.kv_layer_specs(),
+            target_id="7e57",
+        )
         self.model = model
         self.pool = PagePool.create(layout, CPU, shm_dir=shm_dir)
         self.caches = self.pool.kv_caches("target")
@@ -148,7 +172,12 @@ class PagedRunner:
         self.backend.plan(meta)
         with torch.inference_mode():
             hidden, captured = self.model(
-                torch.tensor(ids), torch.tensor(positions), meta, self.caches, self.backend, capture_layers=capture
+                torch.tensor(ids),
+                torch.tensor(positions),
+                meta,
+                self.caches,
+                self.backend,
+                capture_layers=capture,
             )
             logits = self.model.compute_logits(hidden)  # [T, V]
         for seq, n in zip(seqs, chunk_lens):
@@ -189,7 +218,9 @@ def runner_factory(tmp_path):
     assert not list(tmp_path.glob("pool*/*.kv")), "KV pool files left behind"
 
 
-def teacher_forced_run(runner: PagedRunner, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+def teacher_forced_run(
+    runner: PagedRunner, sequences: list[list[int]], prompt_lens: list[int]
+) -> list[torch.Tensor]:
     """Prefill (the longest prompt in two chunks), then decode one token per step;
     returns each sequence's logits for every position [len, V]."""
     seqs = [Seq(list(s)) for s in sequences]
@@ -261,10 +292,14 @@ def hf_greedy(hf_qwen3, qwen3_dir) -> list[list[int]]:
         for ids in encode(qwen3_dir, PROMPTS):
             x = torch.tensor([ids])
             out = hf_qwen3.generate(
-                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
-                eos_token_id=eos, pad_token_id=eos,
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=eos,
+                pad_token_id=eos,
             )
-            outs.append(out[0, len(ids):].tolist())
+            outs.append(out[0, len(ids) :].tolist())
     return outs
 
 
@@ -286,7 +321,9 @@ def test_greedy_generation_matches_transformers(qwen3, hf_greedy, qwen3_dir, run
 def test_quantized_kv_logits_close_to_float32(qwen3, qwen3_dir, runner_factory, kv_dtype, order):
     sequences, prompt_lens = parity_inputs(qwen3_dir)
     exact = torch.cat(teacher_forced_run(runner_factory(qwen3, order=order), sequences, prompt_lens))
-    quant = torch.cat(teacher_forced_run(runner_factory(qwen3, order=order, kv_dtype=kv_dtype), sequences, prompt_lens))
+    quant = torch.cat(
+        teacher_forced_run(runner_factory(qwen3, order=order, kv_dtype=kv_dtype), sequences, prompt_lens)
+    )
     relative = ((quant - exact).abs().max() / exact.std()).item()
     assert 0 < relative <= QUANTIZED_KV_BOUNDS[kv_dtype], f"{kv_dtype}: max diff / logit std = {relative:.4f}"
 
@@ -329,7 +366,9 @@ def test_missing_weight_is_a_clear_error(qwen3_dir, tmp_path):
 
 
 def test_unexpected_and_misshaped_weights_are_clear_errors(qwen3_dir, tmp_path):
-    extra = copy_checkpoint(qwen3_dir, tmp_path / "extra", lambda t: t.update({"model.bogus.weight": torch.zeros(2)}))
+    extra = copy_checkpoint(
+        qwen3_dir, tmp_path / "extra", lambda t: t.update({"model.bogus.weight": torch.zeros(2)})
+    )
     with pytest.raises(WeightLoadError, match=r"unexpected tensor\(s\): model\.bogus\.weight"):
         Qwen3ForCausalLM.from_pretrained(extra, torch.float32, CPU)
 
@@ -348,14 +387,19 @@ def test_kv_scales_from_checkpoint(qwen3_dir, tmp_path):
 
     scaled = copy_checkpoint(qwen3_dir, tmp_path / "scaled", add_scales)
     specs = Qwen3ForCausalLM.from_pretrained(scaled, torch.float32, CPU).kv_layer_specs()
-    assert [(s.owner, s.index, s.k_scale, s.v_scale) for s in specs] == [("target", 0, 0.5, 1.0), ("target", 1, 1.0, 2.0)]
+    assert [(s.owner, s.index, s.k_scale, s.v_scale) for s in specs] == [
+        ("target", 0, 0.5, 1.0),
+        ("target", 1, 1.0, 2.0),
+    ]
     assert (specs[0].num_kv_heads, specs[0].head_dim) == (2, 16)
 
 
 def test_model_facts_and_fingerprint(qwen3, qwen3_dir):
     config = json.loads((qwen3_dir / "config.json").read_text())
     assert (qwen3.num_layers, qwen3.hidden_size, qwen3.vocab_size) == (
-        config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["vocab_size"],
     )
     fp = qwen3.fingerprint()
     assert len(fp) == 16 and fp == qwen3.fingerprint()

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FIX = f"{Path(sys.executable).name} scripts/gen_protos.py"
+FIX = "python scripts/gen_protos.py"
 
 
 def _load_gen_protos():

@@ -6,7 +6,9 @@ folder under /dev/shm that must be empty again once the server is gone.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import logging
 import math
 import os
 import re
@@ -31,13 +33,16 @@ from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service import convert
 from target_service.api_types import FinishReason
+from target_service.server import SERVICE_NAME, EngineSlot, ErrorMappingInterceptor
 from tests.tiny_models import PROMPTS, make_qwen3
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-NUM_PAGES = 128
+NUM_PAGES = 512
 PAGE_SIZE = 16
-MODEL_LEN = 512  # tiny_models: max_position_embeddings
+MODEL_LEN = 4096  # long enough that a full-length stream outlasts every timeout below
+DEFAULT_MAX_TOKENS = 24
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
+DRAINED = re.compile(r"drained in ([\d.]+) s")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 POOL_GLOB = "splitspec-*.kv"
@@ -111,7 +116,7 @@ def pool_files(shm_dir: Path) -> list[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return make_qwen3(tmp_path_factory.mktemp("qwen3"))
+    return make_qwen3(tmp_path_factory.mktemp("qwen3"), max_position_embeddings=MODEL_LEN)
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +141,9 @@ def shm_dir():
 def server(tiny_model, tmp_path_factory):
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     shm = Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
-    proc = ServerProcess(tiny_model, shm, tmp_path_factory.mktemp("log") / "server.log", "--shutdown-grace-s", "5")
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    args = ("--shutdown-grace-s", "5", "--default-max-tokens", str(DEFAULT_MAX_TOKENS))
+    proc = ServerProcess(tiny_model, shm, log, *args)
     try:
         proc.wait_listening()
         with grpc.insecure_channel(proc.address) as channel:
@@ -193,15 +200,28 @@ def generate(stub, msg, timeout: float = 60) -> tuple[list[int], str, pb.Complet
     return collect(stub.Generate(msg, timeout=timeout))
 
 
-def wait_pages_free(stub, timeout: float = 10.0) -> pb.ServerInfo:
+def wait_for(condition, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    info = stub.GetServerInfo(pb.GetServerInfoRequest())
-    while time.monotonic() < deadline:
-        info = stub.GetServerInfo(pb.GetServerInfoRequest())
-        if info.free_pages == info.num_pages and info.running == 0 and info.waiting == 0:
-            return info
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout} s")
         time.sleep(0.02)
-    pytest.fail(f"pages not freed within {timeout} s: {info}")
+
+
+def wait_pages_free(stub, timeout: float = 10.0) -> pb.ServerInfo:
+    def idle(info: pb.ServerInfo) -> bool:
+        return info.free_pages == info.num_pages and info.running == 0 and info.waiting == 0
+
+    wait_for(lambda: idle(stub.GetServerInfo(pb.GetServerInfoRequest())), "free pool", timeout)
+    return stub.GetServerInfo(pb.GetServerInfoRequest())
+
+
+def wait_only_running(stub, n: int, timeout: float = 10.0) -> pb.ServerInfo:
+    def only(info: pb.ServerInfo) -> bool:
+        return info.running == n and info.waiting == 0
+
+    wait_for(lambda: only(stub.GetServerInfo(pb.GetServerInfoRequest())), f"drop to {n} running", timeout)
+    return stub.GetServerInfo(pb.GetServerInfoRequest())
 
 
 def long_request(request_id: str = "") -> pb.GenerateRequest:
@@ -220,34 +240,53 @@ def first_chunk(responses) -> pb.GenerateResponse:
 # ---------------------------------------------------------------- lifecycle
 
 
-def test_health_not_serving_while_loading_then_serving_then_sigterm_drains(tiny_model, shm_dir, tmp_path):
-    grace = 4.0
-    proc = ServerProcess(tiny_model, shm_dir, tmp_path / "server.log", "--shutdown-grace-s", str(grace))
-    try:
-        address = proc.wait_listening()
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
-            assert next(watch).status == NOT_SERVING  # the model is still loading
-            service_watch = health.Watch(health_pb2.HealthCheckRequest(service="splitspec.v1.Generation"))
-            assert next(watch).status == SERVING
-            status = next(service_watch).status
-            if status == NOT_SERVING:
-                status = next(service_watch).status
-            assert status == SERVING
-            service_watch.cancel()
-            assert len(pool_files(shm_dir)) == 1
+def _observe_startup(channel, shm_dir: Path):
+    """NOT_SERVING while loading, then SERVING for both names; returns the open Watch."""
+    health = health_pb2_grpc.HealthStub(channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+    assert next(watch).status == NOT_SERVING  # the model is still loading
+    service_watch = health.Watch(health_pb2.HealthCheckRequest(service="splitspec.v1.Generation"))
+    assert next(watch).status == SERVING
+    statuses = [next(service_watch).status]
+    if statuses[0] == NOT_SERVING:
+        statuses.append(next(service_watch).status)
+    assert statuses[-1] == SERVING
+    service_watch.cancel()
+    assert len(pool_files(shm_dir)) == 1
+    return watch
 
+
+def _fill_the_queue(stub):
+    """With --max-num-seqs 1 --max-waiting 1: one running, one waiting, the next refused."""
+    running = stub.Generate(long_request())
+    first_chunk(running)
+    waiting = stub.Generate(long_request())
+    wait_for(lambda: stub.GetServerInfo(pb.GetServerInfoRequest()).waiting == 1, "a waiting request")
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, request(PROMPTS[0], max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+    return running, waiting
+
+
+def test_lifecycle_health_queue_full_and_sigterm_drain(tiny_model, shm_dir, tmp_path):
+    grace = 4.0
+    args = ("--shutdown-grace-s", str(grace), "--max-num-seqs", "1", "--max-waiting", "1")
+    proc = ServerProcess(tiny_model, shm_dir, tmp_path / "server.log", *args)
+    try:
+        with grpc.insecure_channel(proc.wait_listening()) as channel:
+            watch = _observe_startup(channel, shm_dir)
             stub = pb_grpc.GenerationStub(channel)
-            stream = stub.Generate(long_request())
-            first_chunk(stream)
-            started = time.monotonic()
+            streams = _fill_the_queue(stub)
             proc.proc.send_signal(signal.SIGTERM)
             assert next(watch).status == NOT_SERVING  # flipped before draining
-            _, _, complete = collect(stream)  # the in-flight stream ends with a Complete
-            assert complete.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT)
+            with pytest.raises(grpc.RpcError) as err:
+                generate(stub, request(PROMPTS[0], max_tokens=2))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            for stream in streams:  # too long for the grace period: aborted, with a Complete
+                assert collect(stream)[2].finish_reason == pb.FINISH_REASON_ABORT
             assert proc.stop(timeout=grace + 10) == 0, proc.log()
-            assert time.monotonic() - started < grace + 2, "shutdown took longer than the grace period"
+            drained = DRAINED.search(proc.log())
+            assert drained and float(drained[1]) < grace + 0.5, f"drain exceeded the grace:\n{proc.log()}"
         assert not pool_files(shm_dir), "the pool file outlived the server"
     finally:
         proc.kill()
@@ -340,7 +379,7 @@ def test_generate_from_chat_uses_the_template(stub, tokenizer):
 
 def test_unset_max_tokens_uses_the_server_default(stub):
     ids, _, complete = generate(stub, request(PROMPTS[3], max_tokens=None))
-    assert complete.finish_reason == pb.FINISH_REASON_LENGTH and len(ids) == 256  # --default-max-tokens
+    assert complete.finish_reason == pb.FINISH_REASON_LENGTH and len(ids) == DEFAULT_MAX_TOKENS
 
 
 def test_request_id_is_echoed_and_assigned(stub):
@@ -438,23 +477,27 @@ def test_abort_without_request_id_is_invalid(stub):
 
 
 def test_client_cancel_mid_stream_frees_the_pages(stub):
-    stream = stub.Generate(long_request())
-    first_chunk(stream)
-    busy = stub.GetServerInfo(pb.GetServerInfoRequest())
-    assert busy.running == 1 and busy.free_pages < busy.num_pages
-    stream.cancel()
+    # `twin` is the same request, left running: while it runs, the cancelled stream
+    # could not have finished on its own, so its pages were freed by the cancel.
+    twin, doomed = stub.Generate(long_request()), stub.Generate(long_request())
+    first_chunk(twin)
+    first_chunk(doomed)
+    assert stub.GetServerInfo(pb.GetServerInfoRequest()).running == 2
+    doomed.cancel()
+    wait_only_running(stub, 1)
+    twin.cancel()
     wait_pages_free(stub)
 
 
 def test_deadline_mid_stream_frees_the_pages(stub):
-    started = time.monotonic()
-    generate(stub, long_request())
-    deadline = (time.monotonic() - started) / 3  # a third of the way through the same stream
-    stream = stub.Generate(long_request(), timeout=deadline)
-    first_chunk(stream)
+    twin, doomed = stub.Generate(long_request()), stub.Generate(long_request(), timeout=2.0)
+    first_chunk(twin)
+    first_chunk(doomed)
     with pytest.raises(grpc.RpcError) as err:
-        collect(stream)
+        collect(doomed)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_only_running(stub, 1)  # the twin shows the doomed stream had far to go
+    twin.cancel()
     wait_pages_free(stub)
 
 
@@ -514,7 +557,8 @@ def _client_cmd() -> list[str]:
 def test_splitspec_generate_prints_the_text(server, stub):
     prompt = PROMPTS[7]
     _, expected, _ = generate(stub, request(prompt, max_tokens=12))
-    cmd = [*_client_cmd(), "generate", "--target", server.address, "--max-tokens", "12", "--ignore-eos", prompt]
+    cmd = [*_client_cmd(), "generate", "--target", server.address, "--max-tokens", "12", "--ignore-eos",
+           prompt]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
@@ -529,7 +573,79 @@ def test_splitspec_generate_reports_invalid_argument(server):
 
 
 def test_splitspec_info_prints_model_and_server(server):
-    done = subprocess.run([*_client_cmd(), "info", "--target", server.address], capture_output=True, text=True,
-                          timeout=60, cwd=REPO_ROOT)
+    cmd = [*_client_cmd(), "info", "--target", server.address]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert "Qwen3ForCausalLM" in done.stdout and f"num_pages: {NUM_PAGES}" in done.stdout
+
+
+# ---------------------------------------------------------------- in process, before any engine
+
+
+def _in_process(check) -> None:
+    """Run `check(channel)` against start_server() (no engine), then stop the server."""
+    from target_service.engine import EngineConfig
+    from target_service.server import ServeConfig, start_server
+
+    async def main():
+        running = await start_server(ServeConfig(engine=EngineConfig(model="never-loaded"), port=0))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                await check(channel, running)
+        finally:
+            await running.server.stop(0)
+
+    asyncio.run(main())
+
+
+async def _status_of(call) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_before_the_engine_is_ready_health_is_not_serving_and_rpcs_are_unavailable():
+    async def check(channel, running):
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "splitspec.v1.Generation"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == NOT_SERVING
+        stub = pb_grpc.GenerationStub(channel)
+        assert await _status_of(stub.GetModelInfo(pb.GetModelInfoRequest())) == grpc.StatusCode.UNAVAILABLE
+        assert await _status_of(stub.GetServerInfo(pb.GetServerInfoRequest())) == grpc.StatusCode.UNAVAILABLE
+        assert await _status_of(stub.Abort(pb.AbortRequest(request_id="x"))) == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(request("hi")):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+
+    _in_process(check)
+
+
+def test_unexpected_exceptions_become_internal_and_are_logged(caplog):
+    from target_service.server import GenerationServicer
+
+    class Failing(GenerationServicer):
+        async def GetModelInfo(self, request, context):
+            raise ZeroDivisionError("secret detail")
+
+    async def main() -> grpc.aio.AioRpcError:
+        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor((SERVICE_NAME,))])
+        pb_grpc.add_GenerationServicer_to_server(Failing(EngineSlot(), convert.RequestDefaults()), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+                return err.value
+        finally:
+            await server.stop(0)
+
+    with caplog.at_level(logging.ERROR, logger="target_service.server"):
+        err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert "ZeroDivisionError" in err.details() and "secret" not in err.details()
+    assert any(r.exc_info and r.exc_info[0] is ZeroDivisionError for r in caplog.records)

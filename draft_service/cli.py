@@ -1,0 +1,100 @@
+"""`splitspec-draft`: run the drafter (splitspec.v1.Drafter) next to a splitspec-target."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from common.kv_layout import CACHE_DTYPE_CHOICES
+from draft_service.drafters import DTYPES, KINDS
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="splitspec-draft",
+        description="Serve draft tokens to a splitspec-target over gRPC, reading and writing its shared KV pool.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("drafter")
+    model.add_argument("--model", default=None,
+                       help="draft checkpoint folder or Hugging Face id (from the local cache); not needed for ngram")
+    model.add_argument("--target-model", default=None,
+                       help="the target's checkpoint: DFlash reads its embedding and lm_head (only those tensors)")
+    model.add_argument("--kind", default="auto", choices=("auto", *KINDS),
+                       help="auto: DFlashDraftModel → dflash, *ForCausalLM → draft_model, no --model → ngram")
+    model.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+                       help="most draft tokens per step (default 8; DFlash: block_size - 1, also its cap)")
+    model.add_argument("--device", default="cpu", help="torch device; must be the target's (cpu, cuda, cuda:1)")
+    model.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                       help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
+    model.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
+                       help="required KV page dtype (auto: whatever the target's pool uses)")
+    model.add_argument("--ngram-min", type=_positive_int, default=1, help="shortest n-gram to match")
+    model.add_argument("--ngram-max", type=_positive_int, default=4, help="longest n-gram to match")
+
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on, or unix:///path/to.sock for a Unix domain socket")
+    srv.add_argument("--port", type=int, default=50061, help="port to listen on (0: any free port, logged)")
+    srv.add_argument("--internal-token-file", default=None,
+                     help="file holding the shared token (default: $SPLITSPEC_INTERNAL_TOKEN)")
+    srv.add_argument("--max-message-bytes", type=_positive_int, default=64 << 20, help="gRPC message size limit")
+    srv.add_argument("--shutdown-grace-s", type=float, default=5.0, help="on SIGTERM, seconds in-flight calls get")
+    srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def serve_config(args: argparse.Namespace):
+    from common.auth import load_internal_token
+    from draft_service.drafters import DrafterConfig
+    from draft_service.server import DraftServeConfig
+
+    drafter = DrafterConfig(
+        kind=args.kind,
+        model=args.model,
+        target_model=args.target_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+    )
+    return DraftServeConfig(
+        drafter=drafter,
+        token=load_internal_token(args.internal_token_file),
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        shutdown_grace_s=args.shutdown_grace_s,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = serve_config(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    from draft_service.server import serve
+
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The drafter interface and the per-sequence bookkeeping every drafter shares.
+
+A target sends, per sequence and per step, only what is new (`Update`, the plain mirror
+of `splitspec.v1.SequenceUpdate`): the context tokens whose target KV now exists, the
+newest sampled token, and pages appended to the block table. `Drafter.update` folds
+that into a `DraftSequence`; a sequence whose update does not continue where the
+drafter left off is out of sync and is dropped (it finishes without speculation).
+
+Token positions of a `DraftSequence` with n = len(token_ids):
+  0 .. n-2   context tokens (the target's KV and hidden states exist)
+  n-1        the last sampled token (the first token of the next verify block)
+  0 .. num_context-1   tokens whose draft-layer KV in the pool is written and valid
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
+from common.kv_pool import PagePool
+
+KINDS = ("dflash", "draft_model", "ngram")
+
+
+class IncompatibleTargetError(Exception):
+    """The target cannot be served by this drafter (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the target says it is (`splitspec.v1.TargetFacts`, minus the layout wishes)."""
+
+    architecture: str = ""
+    hidden_size: int = 0
+    vocab_size: int = 0
+    num_layers: int = 0
+    fingerprint: str = ""
+    kv_dtype: str = ""  # a key of common.kv_layout.KV_DTYPES, "" when unspecified
+    device_type: str = "cpu"
+    max_model_len: int = 0
+
+
+def mismatch(name: str, target, drafter) -> str:
+    """One incompatibility, naming both values: "vocab_size: target 512, drafter 600"."""
+    return f"{name}: target {target}, drafter {drafter}"
+
+
+def raise_mismatches(problems: list[str]) -> None:
+    if problems:
+        raise IncompatibleTargetError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Update:
+    """What is new for one sequence since the previous Propose (see drafter.proto)."""
+
+    seq_id: int
+    context_start: int
+    context_token_ids: tuple[int, ...]
+    last_token_id: int
+    new_pages: tuple[int, ...] = ()
+    staging_row: int = 0
+    num_speculative_tokens: int = 0
+
+
+@dataclass
+class DraftSequence:
+    seq_id: int
+    token_ids: list[int]  # context tokens, then the last token
+    block_table: list[int]
+    num_context: int = 0  # tokens whose draft-layer KV is written
+    # Tokens whose draft KV was written, as scratch, at positions num_context, +1, ...
+    # (a draft LM's own drafts); the prefix the target accepts stays valid.
+    scratch_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return len(self.token_ids) - 1
+
+    @property
+    def last_position(self) -> int:
+        return len(self.token_ids) - 1
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def capacity(self, page_size: int) -> int:
+        """Token slots the block table covers."""
+        return len(self.block_table) * page_size
+
+    def extend(self, update: Update) -> None:
+        """Append an in-sync update (context_start == context_len)."""
+        old_last = self.last_position
+        if not update.context_token_ids and update.last_token_id != self.last_token_id:
+            self.num_context = min(self.num_context, old_last)  # that position's KV is stale now
+        self.token_ids[-1:] = [*update.context_token_ids, update.last_token_id]
+        self.block_table.extend(update.new_pages)
+        self._keep_accepted_scratch()
+
+    def _keep_accepted_scratch(self) -> None:
+        """Scratch KV whose token the target accepted at that position is valid context KV."""
+        for token in self.scratch_token_ids:
+            if self.num_context >= self.num_tokens or self.token_ids[self.num_context] != token:
+                break
+            self.num_context += 1
+        self.scratch_token_ids = []
+
+
+# One entry of a Propose batch: the sequence, its new context rows of the staging buffer
+# (copied out, [n, width], or None) and the number of drafts wanted (0: record only).
+ProposeItem = tuple[DraftSequence, "torch.Tensor | None", int]
+
+
+class Drafter:
+    """Base of every drafter: sequence bookkeeping plus the hooks a kind implements.
+
+    Subclasses set `kind`, `num_speculative_tokens` and `device`, and implement
+    `propose`; the ones with layers in the pool override `layer_specs` and `_bind`.
+    """
+
+    kind: str = ""
+    num_speculative_tokens: int = 0
+    model_id: str = ""
+    vocab_size: int | None = None  # None: token ids are not checked against a vocabulary
+    feature_width: int = 0  # staging row width the drafter reads (0: no staging)
+
+    def __init__(self, cache_config: CacheConfig, device: torch.device | str = "cpu") -> None:
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.sequences: dict[int, DraftSequence] = {}
+        self.pool: PagePool | None = None
+
+    # -- facts for the handshake ----------------------------------------------------------
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """The draft layers this drafter needs in the pool (owner "draft", offsets unset)."""
+        return []
+
+    def target_layer_ids(self) -> list[int]:
+        """Target layers whose hidden states the drafter reads from the staging buffer."""
+        return []
+
+    def supported_orders(self) -> tuple[str, ...]:
+        return ORDERS
+
+    def check_target(self, target: TargetInfo) -> None:
+        """Raise IncompatibleTargetError naming both values of every mismatch."""
+
+    @property
+    def needs_pool(self) -> bool:
+        return bool(self.layer_specs()) or self.feature_width > 0
+
+    # -- the pool ---------------------------------------------------------------------------
+
+    def bind(self, pool: PagePool | None, layout: KVLayout) -> None:
+        """Use `pool` laid out as `layout` from now on; every copy of the cache config sees it."""
+        self.unbind()
+        self._bind(pool, layout)
+        self.pool = pool
+        self.cache_config.resolve_layout(layout)
+
+    def unbind(self) -> None:
+        """Drop the pool views and every sequence (a new target or handshake epoch)."""
+        self.cache_config.layout_state.clear()
+        self.sequences.clear()
+        self.pool = None
+        self._unbind()
+
+    def _bind(self, pool: PagePool | None, layout: KVLayout) -> None:
+        pass
+
+    def _unbind(self) -> None:
+        pass
+
+    # -- sequences --------------------------------------------------------------------------
+
+    def update(self, update: Update) -> DraftSequence | None:
+        """Fold an update into the sequence; None (and dropped) when it is out of sync."""
+        if update.context_start == 0:
+            seq = DraftSequence(update.seq_id, [*update.context_token_ids, update.last_token_id], list(update.new_pages))
+            self.sequences[update.seq_id] = seq
+            return seq
+        seq = self.sequences.get(update.seq_id)
+        in_sync = (
+            seq is not None
+            and update.context_start == seq.context_len
+            and (not update.context_token_ids or update.context_token_ids[0] == seq.last_token_id)
+        )
+        if not in_sync:
+            self.forget(update.seq_id)
+            return None
+        seq.extend(update)
+        return seq
+
+    def forget(self, seq_id: int) -> None:
+        self.sequences.pop(seq_id, None)
+
+    def forget_all(self) -> None:
+        self.sequences.clear()
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
+        """Record every item's new context and return greedy drafts for those with k > 0."""
+        raise NotImplementedError
+
+    @property
+    def layout(self) -> KVLayout:
+        """The bound layout; LayoutNotResolvedError before Attach."""
+        return self.cache_config.layout

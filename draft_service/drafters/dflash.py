@@ -1,0 +1,189 @@
+"""The DFlash block drafter (common/dflash.py) on the shared pool.
+
+Per sequence and step, the target hands over the hidden states of its new context
+tokens (layers `target_layer_ids`, concatenated) in rows of the staging buffer; the
+server copies them out first thing, and `propose` writes their context K/V into the
+draft layers' pages once. The query block `[last token, mask x K]` then drafts K tokens.
+
+The drafter borrows the target's embedding and lm_head: only those two tensors are read
+from the target checkpoint (`load_target_heads`), never the whole target.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from common.attention import TorchAttentionBackend
+from common.attention_metadata import AttentionMetadata
+from common.dflash import DFlashDraftModel, TargetHeads
+from common.kv_layout import CacheConfig, KVLayout, LayerSpec
+from common.kv_pool import PagePool
+from common.qwen3 import Qwen3ForCausalLM
+from common.weights import load_config, resolve_model_path, safetensors_files
+from draft_service.drafters.base import (
+    DraftSequence,
+    Drafter,
+    ProposeItem,
+    TargetInfo,
+    mismatch,
+    raise_mismatches,
+)
+
+EMBED_NAME = "model.embed_tokens.weight"
+LM_HEAD_NAME = "lm_head.weight"
+
+
+def _read_tensors(folder, names: set[str]) -> dict[str, torch.Tensor]:
+    """Just the named tensors, from whichever safetensors file holds them (lazy reads)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in names.intersection(f.keys()) - found.keys():
+                found[name] = f.get_tensor(name)
+    return found
+
+
+def load_target_heads(path: str, dtype: torch.dtype, device: torch.device | str) -> Qwen3ForCausalLM:
+    """A target model whose embedding and lm_head are real and whose layers stay on "meta".
+
+    Built as `Qwen3ForCausalLM` so that `fingerprint()`, `embed()` and `compute_logits()`
+    are the target's own code; tied embeddings share one tensor, as in the target.
+    """
+    folder = resolve_model_path(path)
+    config = load_config(folder)
+    with torch.device("meta"):
+        heads = Qwen3ForCausalLM(config)
+    tied = heads.args.tie_word_embeddings
+    wanted = {EMBED_NAME} if tied else {EMBED_NAME, LM_HEAD_NAME}
+    tensors = _read_tensors(folder, wanted)
+    missing = sorted(wanted - tensors.keys())
+    if missing:
+        raise ValueError(f"target checkpoint {folder} lacks {', '.join(missing)}")
+    embed = nn.Parameter(tensors[EMBED_NAME].to(device=device, dtype=dtype), requires_grad=False)
+    heads.model.embed_tokens.weight = embed
+    heads.lm_head.weight = embed if tied else nn.Parameter(tensors[LM_HEAD_NAME].to(device=device, dtype=dtype),
+                                                             requires_grad=False)
+    expected = (heads.args.vocab_size, heads.args.hidden_size)
+    for name, weight in (("embedding", heads.model.embed_tokens.weight), ("lm_head", heads.lm_head.weight)):
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"target checkpoint {folder}: {name} has shape {tuple(weight.shape)}, the config implies {expected}")
+    return heads.eval()
+
+
+class DFlashDrafter(Drafter):
+    kind = "dflash"
+
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        heads: Qwen3ForCausalLM,
+        cache_config: CacheConfig,
+        num_speculative_tokens: int | None = None,
+        model_id: str = "",
+    ) -> None:
+        super().__init__(cache_config, next(model.parameters()).device)
+        limit = model.num_speculative_tokens
+        k = limit if num_speculative_tokens is None else num_speculative_tokens
+        if not 1 <= k <= limit:
+            raise ValueError(f"num_speculative_tokens must be in 1..{limit} (DFlash block_size - 1), got {k}")
+        self.model = model
+        self.heads = heads
+        self.num_speculative_tokens = k
+        self.model_id = model_id
+        self.vocab_size = heads.vocab_size
+        self.feature_width = model.feature_width
+        self._backend: TorchAttentionBackend | None = None
+        self._kv_caches: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def load(
+        cls, path: str, target_path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int | None
+    ) -> DFlashDrafter:
+        heads = load_target_heads(target_path, dtype, device)
+        target = TargetHeads(embed=heads.embed, lm_head=heads.lm_head)
+        model = DFlashDraftModel.from_pretrained(path, target, dtype, device)
+        return cls(model, heads, cache_config, k, model_id=str(path))
+
+    # -- handshake ------------------------------------------------------------------------
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return self.model.kv_layer_specs()
+
+    def target_layer_ids(self) -> list[int]:
+        return self.model.target_layer_ids
+
+    def supported_orders(self) -> tuple[str, ...]:
+        return TorchAttentionBackend.supported_orders(self.device)
+
+    def check_target(self, target: TargetInfo) -> None:
+        problems = []
+        if target.vocab_size != self.heads.vocab_size:
+            problems.append(mismatch("vocab_size", target.vocab_size, self.heads.vocab_size))
+        if target.hidden_size != self.model.hidden_size:
+            problems.append(mismatch("hidden_size", target.hidden_size, self.model.hidden_size))
+        fingerprint = self.heads.fingerprint()
+        if target.fingerprint != fingerprint:
+            problems.append(mismatch("fingerprint of embedding/lm_head", target.fingerprint or "(none)", fingerprint))
+        if max(self.model.target_layer_ids) >= target.num_layers:
+            problems.append(mismatch("num_layers", target.num_layers, f"needs layers {self.model.target_layer_ids}"))
+        raise_mismatches(problems)
+
+    def _bind(self, pool: PagePool | None, layout: KVLayout) -> None:
+        if pool is None:
+            raise ValueError("the DFlash drafter needs the KV pool")
+        self._kv_caches = {spec.index: pool.region(layout.layer("draft", spec.index)) for spec in self.layer_specs()}
+        self._backend = TorchAttentionBackend(layout)
+
+    def _unbind(self) -> None:
+        self._kv_caches = {}
+        self._backend = None
+
+    # -- drafting -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
+        page_size = self.layout.page_size
+        self._write_context([(seq, rows) for seq, rows, _ in items if rows is not None and rows.shape[0] > 0])
+        # Block slots p .. p + k must lie in the sequence's pages; p >= 1 context token.
+        wanted = [(seq, min(k, seq.capacity(page_size) - seq.context_len - 1)) for seq, _rows, k in items if k > 0]
+        wanted = [(seq, k) for seq, k in wanted if k > 0 and seq.num_context == seq.context_len >= 1]
+        drafts: dict[int, list[int]] = {}
+        by_k = sorted(wanted, key=lambda item: item[1])
+        for k, group in itertools.groupby(by_k, key=lambda item: item[1]):  # one forward per distinct k
+            seqs = [seq for seq, _ in group]
+            proposal = self.model.propose(
+                torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.long, device=self.device),
+                [seq.context_len for seq in seqs],
+                [seq.block_table for seq in seqs],
+                self._kv_caches,
+                self._backend,
+                num_tokens=k,
+            )
+            for seq, tokens in zip(seqs, proposal.token_ids.tolist()):
+                drafts[seq.seq_id] = tokens
+        return drafts
+
+    def _write_context(self, pending: list[tuple[DraftSequence, torch.Tensor]]) -> None:
+        """Context K/V of the rows each sequence just received: positions num_context ..; batched."""
+        if not pending:
+            return
+        query_lens = [rows.shape[0] for _, rows in pending]
+        meta = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=[seq.num_context + n for (seq, _), n in zip(pending, query_lens)],
+            block_tables=[seq.block_table for seq, _ in pending],
+            page_size=self.layout.page_size,
+            device=self.device,
+        )
+        features = torch.cat([rows for _, rows in pending]).to(self.device)  # [T, n * hidden]
+        positions = torch.cat(
+            [torch.arange(seq.num_context, seq.num_context + n) for (seq, _), n in zip(pending, query_lens)]
+        ).to(self.device)  # [T]: a sequence's new rows start where its written context ends
+        self.model.write_context(features, positions, meta, self._kv_caches, self._backend)
+        for (seq, _), n in zip(pending, query_lens):
+            seq.num_context += n

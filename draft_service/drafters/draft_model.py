@@ -1,0 +1,128 @@
+"""A small draft LM sharing the target's tokenizer, its KV in the shared pool.
+
+Its layers are `LayerSpec("draft", i, ...)` regions indexed by the target's page ids.
+A proposal runs the LM over every token whose draft KV is not yet written (positions
+num_context .. last), then K-1 single-token greedy steps, batched across sequences.
+The KV of the drafts themselves (positions past the last token) is scratch: the target
+reserved pages for last_pos + K, and the part it accepts is kept as valid context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from common.attention import TorchAttentionBackend
+from common.attention_metadata import AttentionMetadata
+from common.kv_layout import CacheConfig, KVLayout, LayerSpec
+from common.kv_pool import PagePool
+from common.qwen3 import Qwen3ForCausalLM
+from draft_service.drafters.base import (
+    DraftSequence,
+    Drafter,
+    ProposeItem,
+    TargetInfo,
+    mismatch,
+    raise_mismatches,
+)
+
+
+class DraftModelDrafter(Drafter):
+    kind = "draft_model"
+
+    def __init__(
+        self, model: Qwen3ForCausalLM, cache_config: CacheConfig, num_speculative_tokens: int = 8, model_id: str = ""
+    ) -> None:
+        super().__init__(cache_config, next(model.parameters()).device)
+        if num_speculative_tokens <= 0:
+            raise ValueError(f"num_speculative_tokens must be positive, got {num_speculative_tokens}")
+        self.model = model
+        self.num_speculative_tokens = num_speculative_tokens
+        self.model_id = model_id
+        self.vocab_size = model.vocab_size
+        self._backend: TorchAttentionBackend | None = None
+        self._kv_caches: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def load(cls, path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int) -> DraftModelDrafter:
+        return cls(Qwen3ForCausalLM.from_pretrained(path, dtype, device), cache_config, k, model_id=str(path))
+
+    # -- handshake ------------------------------------------------------------------------
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return [dataclasses.replace(spec, owner="draft") for spec in self.model.kv_layer_specs()]
+
+    def supported_orders(self) -> tuple[str, ...]:
+        return TorchAttentionBackend.supported_orders(self.device)
+
+    def check_target(self, target: TargetInfo) -> None:
+        problems = []
+        if target.vocab_size != self.model.vocab_size:
+            problems.append(mismatch("vocab_size", target.vocab_size, self.model.vocab_size))
+        raise_mismatches(problems)
+
+    def _bind(self, pool: PagePool | None, layout: KVLayout) -> None:
+        if pool is None:
+            raise ValueError("the draft model needs the KV pool")
+        self._kv_caches = {spec.index: pool.region(layout.layer("draft", spec.index)) for spec in self.layer_specs()}
+        self._backend = TorchAttentionBackend(layout)
+
+    def _unbind(self) -> None:
+        self._kv_caches = {}
+        self._backend = None
+
+    # -- drafting -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
+        page_size = self.layout.page_size
+        # k > 0 only; the rest catch up at their next proposal (the LM needs token ids only)
+        wanted = [(seq, min(k, seq.capacity(page_size) - seq.last_position)) for seq, _rows, k in items if k > 0]
+        wanted = [(seq, k) for seq, k in wanted if k > 0]
+        if not wanted:
+            return {}
+        seqs = [seq for seq, _ in wanted]
+        drafts = [[token] for token in self._catch_up(seqs)]
+        for step in range(1, max(k for _, k in wanted)):
+            active = [b for b, (_, k) in enumerate(wanted) if k > step]
+            tokens = self._decode([seqs[b] for b in active], [drafts[b][-1] for b in active], step)
+            for b, token in zip(active, tokens):
+                drafts[b].append(token)
+        out = {}
+        for (seq, k), seq_drafts in zip(wanted, drafts):
+            seq.num_context = seq.num_tokens
+            seq.scratch_token_ids = seq_drafts[: k - 1]  # their KV sits at last_pos + 1 ..
+            out[seq.seq_id] = seq_drafts[:k]
+        return out
+
+    def _catch_up(self, seqs: list[DraftSequence]) -> list[int]:
+        """Forward every unwritten token up to the last one; the greedy next token of each."""
+        starts = [min(seq.num_context, seq.last_position) for seq in seqs]
+        ids = [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]]
+        positions = [p for seq, s in zip(seqs, starts) for p in range(s, seq.num_tokens)]
+        return self._forward(
+            ids, positions, [seq.num_tokens - s for seq, s in zip(seqs, starts)], [seq.num_tokens for seq in seqs], seqs
+        )
+
+    def _decode(self, seqs: list[DraftSequence], tokens: list[int], step: int) -> list[int]:
+        """Feed draft `step` (at last_pos + step) of each sequence; the next greedy token."""
+        positions = [seq.last_position + step for seq in seqs]
+        return self._forward(tokens, positions, [1] * len(seqs), [p + 1 for p in positions], seqs)
+
+    def _forward(
+        self, ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int], seqs: list[DraftSequence]
+    ) -> list[int]:
+        meta = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=[seq.block_table for seq in seqs],
+            page_size=self.layout.page_size,
+            device=self.device,
+        )
+        self._backend.plan(meta)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        hidden, _ = self.model(input_ids, pos, meta, self._kv_caches, self._backend)  # [T, hidden]
+        last_rows = meta.query_start_loc[1:].long() - 1  # [B]
+        return self.model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()  # [B]

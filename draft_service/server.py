@@ -1,0 +1,514 @@
+"""The drafter's gRPC server: splitspec.v1.Drafter, health and reflection.
+
+State machine (DESIGN.md §3): Negotiate (facts) → Attach (layout, pool, canary) →
+Propose / Release. Every call that touches the drafter — model loading, handshakes,
+forwards — runs on one worker thread, in arrival order, so the event loop only moves
+bytes and the drafter needs no locks. Exceptions become status codes in `status_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.auth import TokenAuthInterceptor
+from common.kv_layout import (
+    KVLayout,
+    LayerSpec,
+    LayoutNotResolvedError,
+    LayoutResolutionError,
+    canonical_kv_dtype,
+    resolve_order,
+)
+from common.pool_transport import Canary, TransportError, map_pool, read_canary
+from draft_service.drafters import Drafter, DrafterConfig, IncompatibleTargetError, TargetInfo, Update, load_drafter
+from splitspec.v1 import drafter_pb2 as dpb
+from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
+from splitspec.v1 import kv_layout_pb2 as kv_pb
+from target_service.convert import kv_layout_from_proto, layer_spec_to_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "splitspec.v1.Drafter"
+HEALTH_SERVICES = ("", SERVICE_NAME)
+MiB = 1 << 20
+KIND_ENUM = {
+    "dflash": dpb.DRAFTER_KIND_DFLASH,
+    "draft_model": dpb.DRAFTER_KIND_DRAFT_MODEL,
+    "ngram": dpb.DRAFTER_KIND_NGRAM,
+}
+
+
+class InvalidArgumentError(ValueError):
+    """A request field is malformed or out of range (INVALID_ARGUMENT naming the field)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+class HandshakeError(RuntimeError):
+    """The call does not fit the handshake state (FAILED_PRECONDITION)."""
+
+
+class NotReadyError(RuntimeError):
+    """The draft model is still loading (UNAVAILABLE)."""
+
+
+ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (IncompatibleTargetError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LayoutNotResolvedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LayoutResolutionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (TransportError, grpc.StatusCode.FAILED_PRECONDITION),
+    (HandshakeError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotReadyError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for exc_type, code in ERROR_STATUS:
+        if isinstance(exc, exc_type):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__} (see the drafter log)"
+
+
+def _rpc(method):
+    """Run the handler; map its exception to a status code."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            code, details = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("%s failed", method.__name__, exc_info=exc)
+            else:
+                log.info("%s: %s: %s", method.__name__, code.name, details)
+            await context.abort(code, details)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- proto → plain values
+
+
+def _order_name(value: int) -> str:
+    return kv_pb.PageOrder.Name(value).removeprefix("PAGE_ORDER_")
+
+
+def _kv_dtype_name(value: int) -> str:
+    name = kv_pb.KVDtype.Name(value).removeprefix("KV_DTYPE_").lower()
+    return "" if name == "unspecified" else name
+
+
+def target_info(facts: dpb.TargetFacts) -> TargetInfo:
+    return TargetInfo(
+        architecture=facts.architecture,
+        hidden_size=facts.hidden_size,
+        vocab_size=facts.vocab_size,
+        num_layers=facts.num_layers,
+        fingerprint=facts.fingerprint,
+        kv_dtype=_kv_dtype_name(facts.kv_dtype),
+        device_type=facts.device_type or "cpu",
+        max_model_len=facts.max_model_len,
+    )
+
+
+def _update(msg: dpb.SequenceUpdate) -> Update:
+    return Update(
+        seq_id=msg.seq_id,
+        context_start=msg.context_start,
+        context_token_ids=tuple(msg.context_token_ids),
+        last_token_id=msg.last_token_id,
+        new_pages=tuple(msg.new_pages),
+        staging_row=msg.staging_row,
+        num_speculative_tokens=msg.num_speculative_tokens,
+    )
+
+
+def _draft_layer_key(spec: LayerSpec) -> tuple:
+    return (spec.index, spec.num_kv_heads, spec.head_dim, spec.k_scale, spec.v_scale)
+
+
+# ---------------------------------------------------------------- the state machine
+
+
+@dataclass
+class _Negotiated:
+    target_id: str
+    target: TargetInfo
+
+
+class DrafterHost:
+    """The drafter plus its handshake state; every method runs on the worker thread."""
+
+    def __init__(self) -> None:
+        self.drafter: Drafter | None = None
+        self.negotiated: _Negotiated | None = None
+        self.max_model_len = 0
+
+    def require(self) -> Drafter:
+        if self.drafter is None:
+            raise NotReadyError("the draft model is still loading; watch grpc.health.v1.Health for SERVING")
+        return self.drafter
+
+    # -- Negotiate -------------------------------------------------------------------------
+
+    def negotiate(self, request: dpb.NegotiateRequest) -> dpb.NegotiateResponse:
+        drafter = self.require()
+        if not request.target_id:
+            raise InvalidArgumentError("target_id", "is required")
+        target = target_info(request.target)
+        if drafter.cache_config.is_layout_resolved and drafter.layout.target_id != request.target_id:
+            log.info("target %s replaces %s: dropping the old mapping", request.target_id, drafter.layout.target_id)
+            drafter.unbind()
+        drafter.check_target(target)
+        self._check_cache_wishes(drafter, target)
+        resolve_order(
+            request.requested_order or "auto",
+            target_supported=tuple(_order_name(o) for o in request.target.supported_orders),
+            target_preferred=_order_name(request.target.preferred_order),
+            drafter_supported=drafter.supported_orders(),
+        )
+        self.negotiated = _Negotiated(request.target_id, target)
+        log.info("negotiated with target %s (%s): %s, K=%d", request.target_id, target.architecture or "?",
+                 drafter.kind, drafter.num_speculative_tokens)
+        return dpb.NegotiateResponse(
+            kind=KIND_ENUM[drafter.kind],
+            layers=[layer_spec_to_proto(spec) for spec in drafter.layer_specs()],
+            target_layer_ids=drafter.target_layer_ids(),
+            supported_orders=[kv_pb.PageOrder.Value(f"PAGE_ORDER_{o}") for o in drafter.supported_orders()],
+            num_speculative_tokens=drafter.num_speculative_tokens,
+            model_id=drafter.model_id,
+        )
+
+    @staticmethod
+    def _check_cache_wishes(drafter: Drafter, target: TargetInfo) -> None:
+        problems = []
+        wish = drafter.cache_config.cache_dtype
+        if wish != "auto" and target.kv_dtype and canonical_kv_dtype(wish, torch.float32) != target.kv_dtype:
+            problems.append(f"kv_dtype: target {target.kv_dtype}, drafter {canonical_kv_dtype(wish, torch.float32)}")
+        if drafter.needs_pool and target.device_type != drafter.device.type:
+            problems.append(f"device_type: target {target.device_type}, drafter {drafter.device.type}")
+        if problems:
+            raise IncompatibleTargetError("; ".join(problems))
+
+    # -- Attach ----------------------------------------------------------------------------
+
+    def attach(self, request: dpb.AttachRequest) -> dpb.AttachResponse:
+        drafter = self.require()
+        try:
+            layout = kv_layout_from_proto(request.layout)
+        except ValueError as exc:
+            raise InvalidArgumentError("layout", str(exc)) from exc
+        if not layout.target_id:
+            raise InvalidArgumentError("layout.target_id", "is required")
+        if self.negotiated is None or self.negotiated.target_id != layout.target_id:
+            raise HandshakeError(f"Attach for target {layout.target_id!r} before its Negotiate; call Negotiate first")
+        drafter.unbind()  # any Attach starts a fresh epoch: old mappings and sequences go first
+        self._check_layout(drafter, layout)
+        pool = None
+        if drafter.needs_pool:
+            pool = map_pool(layout, request.pool)
+            self._check_pool(drafter, pool, request)
+        drafter.bind(pool, layout)
+        self.max_model_len = self.negotiated.target.max_model_len
+        mapped = layout.total_bytes if pool is not None else 0
+        log.info("attached to target %s epoch %d: %s pages of %d tokens, %s %s, %.1f MiB mapped",
+                 layout.target_id, layout.epoch, layout.num_pages, layout.page_size, layout.kv_dtype, layout.order,
+                 mapped / MiB)
+        return dpb.AttachResponse(target_id=layout.target_id, epoch=layout.epoch, mapped_bytes=mapped)
+
+    @staticmethod
+    def _check_layout(drafter: Drafter, layout: KVLayout) -> None:
+        mine = sorted(_draft_layer_key(s) for s in drafter.layer_specs())
+        theirs = sorted(_draft_layer_key(s) for s in layout.layers if s.owner == "draft")
+        if mine != theirs:
+            raise HandshakeError(f"the layout's draft layers {theirs} are not the drafter's {mine} "
+                                 "(index, kv heads, head dim, k scale, v scale)")
+        if layout.order not in drafter.supported_orders():
+            raise HandshakeError(f"layout order {layout.order} is not supported by the drafter "
+                                 f"({', '.join(drafter.supported_orders())})")
+        wish = drafter.cache_config.cache_dtype
+        if wish != "auto" and canonical_kv_dtype(wish, torch.float32) != layout.kv_dtype:
+            raise HandshakeError(f"kv_dtype: target {layout.kv_dtype}, drafter {canonical_kv_dtype(wish, torch.float32)}")
+        for spec in layout.layers:
+            if spec.offset + layout.region_bytes(spec) > layout.total_bytes:
+                raise InvalidArgumentError("layout.layers", f"{spec.owner} layer {spec.index} ends past total_bytes")
+        if drafter.feature_width:
+            staging = layout.staging
+            if staging is None:
+                raise HandshakeError(f"the {drafter.kind} drafter needs a staging buffer; the layout has none")
+            if staging.width != drafter.feature_width:
+                raise HandshakeError(f"staging width: target {staging.width}, drafter {drafter.feature_width} "
+                                     f"(target layers {drafter.target_layer_ids()} x hidden size)")
+            if staging.rows == 0 or staging.offset + staging.nbytes > layout.total_bytes:
+                raise InvalidArgumentError("layout.staging", "rows must be positive and end within total_bytes")
+
+    @staticmethod
+    def _check_pool(drafter: Drafter, pool, request: dpb.AttachRequest) -> None:
+        if pool.device.type != drafter.device.type or (
+            drafter.device.index is not None and pool.device.index != drafter.device.index
+        ):
+            raise HandshakeError(f"the pool lives on {pool.device}, the drafter runs on {drafter.device}")
+        canary = request.canary
+        if not canary.value:
+            raise InvalidArgumentError("canary.value", "is required")
+        if canary.offset + len(canary.value) > pool.layout.total_bytes:
+            raise InvalidArgumentError("canary.offset", f"{canary.offset} + {len(canary.value)} bytes exceed the pool")
+        if not read_canary(pool, Canary(canary.offset, canary.value)):
+            raise HandshakeError(f"canary mismatch at byte {canary.offset}: the mapped pool is not the target's "
+                                 "(wrong shm file or device?)")
+
+    # -- Propose ---------------------------------------------------------------------------
+
+    def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
+        drafter = self.require()
+        layout = drafter.layout  # LayoutNotResolvedError before Attach
+        if (request.target_id, request.epoch) != (layout.target_id, layout.epoch):
+            raise LayoutNotResolvedError(
+                f"Propose for target {request.target_id!r} epoch {request.epoch}, but the drafter is attached to "
+                f"target {layout.target_id!r} epoch {layout.epoch}; Negotiate and Attach again"
+            )
+        updates = [_update(msg) for msg in request.sequences]
+        self._validate(drafter, layout, updates)
+        rows = self._copy_staging_rows(drafter, updates)  # first: the target reuses staging next step
+        for seq_id in request.released_seq_ids:
+            drafter.forget(seq_id)
+        items = []
+        for update, new_rows in zip(updates, rows):
+            seq = drafter.update(update)
+            if seq is not None:
+                items.append((seq, new_rows, self._num_drafts(drafter, update, seq.last_position)))
+        try:
+            drafts = drafter.propose(items)
+        except Exception:
+            for seq, _, _ in items:  # their draft state is unknown now
+                drafter.forget(seq.seq_id)
+            raise
+        if drafter.device.type == "cuda":
+            torch.cuda.synchronize(drafter.device)
+        return dpb.ProposeResponse(drafts=[dpb.Draft(seq_id=s, token_ids=t) for s, t in drafts.items() if t])
+
+    def _num_drafts(self, drafter: Drafter, update: Update, last_position: int) -> int:
+        k = min(update.num_speculative_tokens, drafter.num_speculative_tokens)
+        if self.max_model_len:
+            k = min(k, self.max_model_len - 1 - last_position)
+        return max(k, 0)
+
+    @staticmethod
+    def _validate(drafter: Drafter, layout: KVLayout, updates: list[Update]) -> None:
+        """Every field, before any state changes: a bad request changes nothing."""
+        seen: set[int] = set()
+        vocab = drafter.vocab_size
+        for i, u in enumerate(updates):
+            where = f"sequences[{i}]"
+            if u.seq_id in seen:
+                raise InvalidArgumentError(f"{where}.seq_id", f"{u.seq_id} appears twice")
+            seen.add(u.seq_id)
+            for name, ids in (("context_token_ids", u.context_token_ids), ("last_token_id", (u.last_token_id,))):
+                bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+                if bad:
+                    raise InvalidArgumentError(f"{where}.{name}", f"token id {bad[0]} is outside [0, {vocab or 'inf'})")
+            if not drafter.needs_pool:
+                continue
+            bad_pages = [p for p in u.new_pages if p >= layout.num_pages]
+            if bad_pages:
+                raise InvalidArgumentError(f"{where}.new_pages", f"page id {bad_pages[0]} >= num_pages {layout.num_pages}")
+            if drafter.feature_width and u.context_token_ids:
+                end = u.staging_row + len(u.context_token_ids)
+                if end > layout.staging.rows:
+                    raise InvalidArgumentError(
+                        f"{where}.staging_row", f"rows [{u.staging_row}, {end}) exceed the {layout.staging.rows} staging rows"
+                    )
+            DrafterHost._validate_pages(drafter, layout, u, where)
+
+    @staticmethod
+    def _validate_pages(drafter: Drafter, layout: KVLayout, u: Update, where: str) -> None:
+        """The block table of an in-sync sequence must cover its context tokens."""
+        if u.context_start == 0:
+            num_pages = len(u.new_pages)
+        elif (seq := drafter.sequences.get(u.seq_id)) is not None and seq.context_len == u.context_start:
+            num_pages = len(seq.block_table) + len(u.new_pages)
+        else:
+            return  # out of sync: it will be dropped, not read
+        needed = u.context_start + len(u.context_token_ids)
+        if num_pages * layout.page_size < needed:
+            raise InvalidArgumentError(
+                f"{where}.new_pages", f"the block table's {num_pages} pages hold fewer than the {needed} context tokens"
+            )
+
+    @staticmethod
+    def _copy_staging_rows(drafter: Drafter, updates: list[Update]) -> list[torch.Tensor | None]:
+        if not drafter.feature_width or drafter.pool is None:
+            return [None] * len(updates)
+        staging = drafter.pool.staging()  # [rows, width]
+        return [
+            staging[u.staging_row : u.staging_row + len(u.context_token_ids)].clone() if u.context_token_ids else None
+            for u in updates
+        ]
+
+    # -- Release ---------------------------------------------------------------------------
+
+    def release(self, request: dpb.ReleaseRequest) -> dpb.ReleaseResponse:
+        drafter = self.require()
+        if not drafter.cache_config.is_layout_resolved:
+            return dpb.ReleaseResponse()
+        layout = drafter.layout
+        if (request.target_id, request.epoch) != (layout.target_id, layout.epoch):
+            return dpb.ReleaseResponse()  # that epoch's sequences are gone already
+        if not request.seq_ids:
+            drafter.forget_all()
+        for seq_id in request.seq_ids:
+            drafter.forget(seq_id)
+        return dpb.ReleaseResponse()
+
+    def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.unbind()
+
+
+class DrafterServicer(dpb_grpc.DrafterServicer):
+    """Hands every call to the single worker thread."""
+
+    def __init__(self, host: DrafterHost, executor: concurrent.futures.ThreadPoolExecutor) -> None:
+        self._host = host
+        self._executor = executor
+
+    async def _call(self, fn, request):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, request)
+
+    @_rpc
+    async def Negotiate(self, request, context):
+        return await self._call(self._host.negotiate, request)
+
+    @_rpc
+    async def Attach(self, request, context):
+        return await self._call(self._host.attach, request)
+
+    @_rpc
+    async def Propose(self, request, context):
+        return await self._call(self._host.propose, request)
+
+    @_rpc
+    async def Release(self, request, context):
+        return await self._call(self._host.release, request)
+
+
+# ---------------------------------------------------------------- server assembly
+
+
+@dataclass
+class DraftServeConfig:
+    drafter: DrafterConfig
+    token: str = field(repr=False, default="")
+    host: str = "127.0.0.1"  # or "unix:///path/to.sock" (the port is then ignored)
+    port: int = 50061  # 0 → any free port (logged)
+    max_message_bytes: int = 64 * MiB
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("the internal token is required (KV pages hold users' prompts)")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max message size must be positive, got {self.max_message_bytes}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown grace must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def address(self) -> str:
+        if self.host.startswith("unix:"):
+            return self.host
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass
+class RunningDrafter:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    host: DrafterHost
+    executor: concurrent.futures.ThreadPoolExecutor
+    port: int
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in HEALTH_SERVICES:
+            await self.health.set(service, status)
+
+
+async def start_server(config: DraftServeConfig) -> RunningDrafter:
+    """Listen with every service registered and health NOT_SERVING; the drafter loads later."""
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(config.token, protected=(SERVICE_NAME,))], options=options)
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+    host = DrafterHost()
+    dpb_grpc.add_DrafterServicer_to_server(DrafterServicer(host, executor), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(config.address)
+    running = RunningDrafter(server, health_servicer, host, executor, port)
+    await running.set_serving(False)
+    await server.start()
+    where = config.host if config.host.startswith("unix:") else f"{config.host}:{port}"
+    log.info("splitspec-draft listening on %s", where)
+    return running
+
+
+def _install_stop_signals(stop: asyncio.Event):
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    return lambda: [loop.remove_signal_handler(s) for s in signals]
+
+
+async def serve(config: DraftServeConfig) -> int:
+    """Run until SIGTERM/SIGINT; the process exit code."""
+    stop = asyncio.Event()
+    remove_signals = _install_stop_signals(stop)
+    running = await start_server(config)
+    loop = asyncio.get_running_loop()
+    try:
+        load = loop.run_in_executor(running.executor, load_drafter, config.drafter)
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((load, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            drafter = load.result()
+            running.host.drafter = drafter
+            await running.set_serving(True)
+            log.info("serving %s drafter %s (K=%d, device %s)", drafter.kind, drafter.model_id or "-",
+                     drafter.num_speculative_tokens, drafter.device)
+            await stopping
+        return 0
+    except Exception:
+        log.exception("the drafter failed to start")
+        return 1
+    finally:
+        await running.set_serving(False)
+        await running.server.stop(config.shutdown_grace_s)
+        await loop.run_in_executor(running.executor, running.host.close)
+        running.executor.shutdown(wait=True, cancel_futures=True)
+        remove_signals()
+        log.info("stopped")

@@ -1,0 +1,79 @@
+"""Real service processes for tests: start, wait until listening and SERVING, stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+TOKEN = "test-internal-token"
+
+
+class Service:
+    """`python -m <module> <args>` with its log in a file."""
+
+    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSPEC_INTERNAL_TOKEN": TOKEN, **(env or {})}
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, env=environ)
+        self.address = ""
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_listening(self, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (match := LISTENING.search(self.log())) is not None:
+                self.address = f"{match[1]}:{match[2]}"
+                return self.address
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.proc.args} exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        pytest.fail(f"{self.proc.args} did not listen within {timeout} s:\n{self.log()}")
+
+    def wait_serving(self, timeout: float = 180.0) -> str:
+        address = self.address or self.wait_listening(timeout)
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"{self.proc.args} exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return address
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        pytest.fail(f"{self.proc.args} not SERVING within {timeout} s:\n{self.log()}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,127 @@
+"""Lossless speculative decoding across real processes: a target and a drafter, per kind.
+
+Greedy output through `splitspec-target --drafter ...` must be token-identical to a
+target-only server with the same KV dtype, for 20 prompts at concurrency 1, 4 and 8.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from splitspec.v1 import generation_pb2 as pb
+from splitspec.v1 import generation_pb2_grpc as pb_grpc
+from tests.procs import Service
+from tests.test_dflash_parity import TARGET_LAYERS, make_reference_dflash
+from tests.tiny_models import PROMPTS, make_qwen3
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 24
+KINDS = ("ngram", "draft_model", "dflash")
+KV_DTYPES = ("float32", "fp8_e4m3")
+
+
+@dataclass
+class Models:
+    target: Path
+    draft_lm: Path
+    dflash: Path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Models:
+    root = tmp_path_factory.mktemp("spec-models")
+    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
+    # the draft LM is a copy of the target: every draft is accepted, exercising the bonus path
+    draft_lm = root / "draft-lm"
+    shutil.copytree(target, draft_lm)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    dflash = make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    return Models(target, draft_lm, dflash)
+
+
+def target_args(model: Path, shm_dir: Path, kv_dtype: str, *extra: str) -> list[str]:
+    return ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), "--kv-cache-dtype", kv_dtype,
+            "--num-pages", "256", "--page-size", "8", "--max-num-batched-tokens", "128", *extra]
+
+
+def drafter_args(kind: str, models: Models) -> list[str]:
+    model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm)], "dflash": ["--model", str(models.dflash)]}
+    return ["--kind", kind, *model[kind], "--target-model", str(models.target), "--port", "0",
+            "--num-speculative-tokens", "4"]
+
+
+def generate(address: str, prompt: str, **speculation) -> tuple[list[int], pb.Complete]:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(text=prompt, stop=pb.StopParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                                     speculation=pb.SpeculationParams(**speculation))
+        tokens, complete = [], None
+        for response in stub.Generate(request, timeout=120):
+            if response.HasField("chunk"):
+                tokens.extend(response.chunk.token_ids)
+            else:
+                complete = response.complete
+        return tokens, complete
+
+
+def run_prompts(address: str, concurrency: int) -> list[tuple[list[int], pb.Complete]]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda p: generate(address, p), PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def reference(models, tmp_path_factory) -> dict[str, list[list[int]]]:
+    """Target-only outputs per KV dtype."""
+    refs = {}
+    for kv_dtype in KV_DTYPES:
+        tmp = tmp_path_factory.mktemp(f"ref-{kv_dtype}")
+        target = Service("target_service.cli", target_args(models.target, tmp, kv_dtype), tmp / "target.log")
+        try:
+            address = target.wait_serving()
+            refs[kv_dtype] = [tokens for tokens, _ in run_prompts(address, 4)]
+        finally:
+            target.stop()
+    return refs
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def drafter(request, models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"drafter-{request.param}")
+    service = Service("draft_service.cli", drafter_args(request.param, models), tmp / "drafter.log")
+    try:
+        service.wait_serving()
+        yield request.param, service
+    finally:
+        service.kill()
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_speculative_greedy_is_lossless(models, reference, drafter, kv_dtype, tmp_path):
+    kind, drafter_service = drafter
+    target = Service("target_service.cli",
+                     target_args(models.target, tmp_path, kv_dtype, "--drafter", drafter_service.address),
+                     tmp_path / "target.log")
+    try:
+        address = target.wait_serving()
+        for concurrency in (1, 4, 8):
+            results = run_prompts(address, concurrency)
+            for i, ((tokens, complete), ref) in enumerate(zip(results, reference[kv_dtype])):
+                assert tokens == ref, f"{kind}, {kv_dtype}, concurrency {concurrency}, prompt {i}"
+                assert complete.usage.accepted_tokens <= complete.usage.draft_tokens
+            drafted = sum(c.usage.draft_tokens for _, c in results)
+            assert drafted > 0, f"{kind}: nothing was speculated\n{target.log()}"
+            if kind == "draft_model":  # the draft LM is the target itself
+                assert all(c.usage.accepted_tokens == c.usage.draft_tokens for _, c in results)
+        tokens, complete = generate(address, PROMPTS[0], disable=True)
+        assert tokens == reference[kv_dtype][0] and complete.usage.num_drafts == 0
+    finally:
+        assert target.stop() == 0, target.log()
