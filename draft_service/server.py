@@ -31,6 +31,7 @@ from common.kv_layout import (
 )
 from common.pool_transport import Canary, TransportError, map_pool, read_canary
 from draft_service.drafters import Drafter, DrafterConfig, IncompatibleTargetError, TargetInfo, Update, load_drafter
+from draft_service.drafters.base import mismatch, raise_mismatches
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
@@ -200,11 +201,10 @@ class DrafterHost:
         problems = []
         wish = drafter.cache_config.cache_dtype
         if wish != "auto" and target.kv_dtype and canonical_kv_dtype(wish, torch.float32) != target.kv_dtype:
-            problems.append(f"kv_dtype: target {target.kv_dtype}, drafter {canonical_kv_dtype(wish, torch.float32)}")
+            problems.append(mismatch("kv_dtype", target.kv_dtype, canonical_kv_dtype(wish, torch.float32)))
         if drafter.needs_pool and target.device_type != drafter.device.type:
-            problems.append(f"device_type: target {target.device_type}, drafter {drafter.device.type}")
-        if problems:
-            raise IncompatibleTargetError("; ".join(problems))
+            problems.append(mismatch("device_type", target.device_type, drafter.device.type))
+        raise_mismatches(problems)
 
     # -- Attach ----------------------------------------------------------------------------
 
@@ -243,8 +243,9 @@ class DrafterHost:
             raise HandshakeError(f"layout order {layout.order} is not supported by the drafter "
                                  f"({', '.join(drafter.supported_orders())})")
         wish = drafter.cache_config.cache_dtype
-        if wish != "auto" and canonical_kv_dtype(wish, torch.float32) != layout.kv_dtype:
-            raise HandshakeError(f"kv_dtype: target {layout.kv_dtype}, drafter {canonical_kv_dtype(wish, torch.float32)}")
+        wanted = canonical_kv_dtype(wish, torch.float32) if wish != "auto" else layout.kv_dtype
+        if wanted != layout.kv_dtype:
+            raise HandshakeError(f"kv_dtype: target {layout.kv_dtype}, drafter {wanted}")
         for spec in layout.layers:
             if spec.offset + layout.region_bytes(spec) > layout.total_bytes:
                 raise InvalidArgumentError("layout.layers", f"{spec.owner} layer {spec.index} ends past total_bytes")
@@ -268,7 +269,8 @@ class DrafterHost:
         if not canary.value:
             raise InvalidArgumentError("canary.value", "is required")
         if canary.offset + len(canary.value) > pool.layout.total_bytes:
-            raise InvalidArgumentError("canary.offset", f"{canary.offset} + {len(canary.value)} bytes exceed the pool")
+            message = f"{canary.offset} + {len(canary.value)} bytes pass the pool's end"
+            raise InvalidArgumentError("canary.offset", message)
         if not read_canary(pool, Canary(canary.offset, canary.value)):
             raise HandshakeError(f"canary mismatch at byte {canary.offset}: the mapped pool is not the target's "
                                  "(wrong shm file or device?)")
@@ -322,18 +324,19 @@ class DrafterHost:
             for name, ids in (("context_token_ids", u.context_token_ids), ("last_token_id", (u.last_token_id,))):
                 bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
                 if bad:
-                    raise InvalidArgumentError(f"{where}.{name}", f"token id {bad[0]} is outside [0, {vocab or 'inf'})")
+                    limit = vocab if vocab is not None else "inf"
+                    raise InvalidArgumentError(f"{where}.{name}", f"token id {bad[0]} is outside [0, {limit})")
             if not drafter.needs_pool:
                 continue
             bad_pages = [p for p in u.new_pages if p >= layout.num_pages]
             if bad_pages:
-                raise InvalidArgumentError(f"{where}.new_pages", f"page id {bad_pages[0]} >= num_pages {layout.num_pages}")
+                message = f"page id {bad_pages[0]} >= num_pages {layout.num_pages}"
+                raise InvalidArgumentError(f"{where}.new_pages", message)
             if drafter.feature_width and u.context_token_ids:
                 end = u.staging_row + len(u.context_token_ids)
                 if end > layout.staging.rows:
-                    raise InvalidArgumentError(
-                        f"{where}.staging_row", f"rows [{u.staging_row}, {end}) exceed the {layout.staging.rows} staging rows"
-                    )
+                    message = f"rows [{u.staging_row}, {end}) exceed the {layout.staging.rows} staging rows"
+                    raise InvalidArgumentError(f"{where}.staging_row", message)
             DrafterHost._validate_pages(drafter, layout, u, where)
 
     @staticmethod
@@ -347,9 +350,8 @@ class DrafterHost:
             return  # out of sync: it will be dropped, not read
         needed = u.context_start + len(u.context_token_ids)
         if num_pages * layout.page_size < needed:
-            raise InvalidArgumentError(
-                f"{where}.new_pages", f"the block table's {num_pages} pages hold fewer than the {needed} context tokens"
-            )
+            message = f"the block table's {num_pages} pages hold fewer than the {needed} context tokens"
+            raise InvalidArgumentError(f"{where}.new_pages", message)
 
     @staticmethod
     def _copy_staging_rows(drafter: Drafter, updates: list[Update]) -> list[torch.Tensor | None]:
@@ -459,7 +461,8 @@ async def start_server(config: DraftServeConfig) -> RunningDrafter:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(config.token, protected=(SERVICE_NAME,))], options=options)
+    auth = TokenAuthInterceptor(config.token, protected=(SERVICE_NAME,))
+    server = grpc.aio.server(interceptors=[auth], options=options)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
     host = DrafterHost()
     dpb_grpc.add_DrafterServicer_to_server(DrafterServicer(host, executor), server)

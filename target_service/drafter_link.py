@@ -76,7 +76,10 @@ class DrafterLink:
     epoch: int = 0
     target_id: str = ""
     detail: str = ""
-    num_fallback_steps: int = 0
+    rejected: bool = False  # the last handshake was refused as incompatible
+    num_proposes: int = 0
+    propose_sequences: int = 0  # sequence updates sent, summed over Proposes
+    propose_bytes: int = 0  # serialized request bytes, summed over Proposes
     _next_attempt: float = 0.0
     _backoff: float = 0.0
     _channel: grpc.Channel | None = field(default=None, repr=False)
@@ -100,6 +103,9 @@ class DrafterLink:
     def due_for_handshake(self) -> bool:
         return self.state in (LinkState.CONNECTING, LinkState.UNAVAILABLE) and time.monotonic() >= self._next_attempt
 
+    def seconds_until_retry(self) -> float:
+        return max(0.0, self._next_attempt - time.monotonic())
+
     def negotiate(self, request: dpb.NegotiateRequest) -> DrafterFacts:
         try:
             reply = self._stub.Negotiate(request, timeout=self.config.handshake_timeout_s, metadata=self.metadata)
@@ -120,6 +126,9 @@ class DrafterLink:
         self._stub.Attach(request, timeout=self.config.handshake_timeout_s, metadata=self.metadata)
 
     def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
+        self.num_proposes += 1
+        self.propose_sequences += len(request.sequences)
+        self.propose_bytes += request.ByteSize()
         return self._stub.Propose(request, timeout=self.config.propose_timeout_s, metadata=self.metadata)
 
     def mark_ready(self, facts: DrafterFacts, target_id: str, epoch: int) -> None:
@@ -129,8 +138,9 @@ class DrafterLink:
         log.info("drafter %s ready: %s, K=%d, epoch %d", self.config.address, facts.kind,
                  facts.num_speculative_tokens, epoch)
 
-    def mark_failed(self, detail: str) -> None:
+    def mark_failed(self, detail: str, rejected: bool = False) -> None:
         """Serve without speculation; try again after a backoff that doubles up to a cap."""
+        self.rejected = rejected
         if self.state is not LinkState.UNAVAILABLE or detail != self.detail:
             log.warning("drafter %s unavailable (%s); serving without speculation, retrying in %.1fs",
                         self.config.address, detail, self._backoff)
@@ -159,6 +169,8 @@ def order_enum(order: str) -> int:
 
 
 def describe_rpc_error(exc: Exception) -> str:
+    if isinstance(exc, DrafterRejected):
+        return f"FAILED_PRECONDITION: {exc}"
     if isinstance(exc, grpc.RpcError):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"

@@ -48,7 +48,14 @@ from target_service.api_types import (
 )
 from target_service.block_manager import BlockManager
 from target_service.detokenizer import IncrementalDetokenizer
-from target_service.drafter_link import DrafterFacts, DrafterLink, DrafterLinkConfig, describe_rpc_error, order_enum
+from target_service.drafter_link import (
+    DrafterFacts,
+    DrafterLink,
+    DrafterLinkConfig,
+    DrafterRejected,
+    describe_rpc_error,
+    order_enum,
+)
 from target_service.model_runner import ModelRunner
 from target_service.scheduler import Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
@@ -327,7 +334,7 @@ class EngineCore:
                                           pool=export_pool(self.pool),
                                           canary=dpb.Canary(offset=canary.offset, value=canary.value)))
         except Exception as exc:  # rejected, unreachable, or no common layout: serve without it
-            link.mark_failed(describe_rpc_error(exc))
+            link.mark_failed(describe_rpc_error(exc), rejected=isinstance(exc, (DrafterRejected, ValueError)))
             return False
         link.mark_ready(facts, self.layout.target_id, self._epoch)
         self.speculator.reset()
@@ -460,7 +467,7 @@ def _first_handshake(core: EngineCore, wait_s: float) -> None:
     """The drafter usually starts beside the target: give it a moment before serving without it."""
     deadline = time.monotonic() + wait_s
     while not core.handshake():
-        if time.monotonic() >= deadline or "FAILED_PRECONDITION" in core.link.detail:
+        if time.monotonic() >= deadline or core.link.rejected:
             return
         time.sleep(0.5)
 
@@ -574,7 +581,7 @@ class AsyncEngine:
             if not self._core.has_work():
                 self._wake.clear()
                 if not (self._pending_adds or self._pending_aborts):
-                    await self._wake.wait()
+                    await self._idle(loop)
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self._core.step)
@@ -584,6 +591,18 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._deliver(out)
+
+    async def _idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sleep until work arrives; meanwhile keep re-handshaking with a lost drafter."""
+        link = self._core.link
+        if link is None or link.ready:
+            await self._wake.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(0.05, link.seconds_until_retry()))
+        except asyncio.TimeoutError:
+            if link.due_for_handshake():
+                await loop.run_in_executor(self._executor, self._core.handshake)
 
     def _fail_all(self, exc: Exception) -> None:
         for out in self._core.abort_all():
@@ -597,7 +616,7 @@ class AsyncEngine:
             "free_pages": core.block_manager.num_free_pages,
             "running": core.num_running,
             "waiting": core.num_waiting + len(self._pending_adds),
-            "drafter": {"state": "none", "address": ""},
+            "drafter": core.link.describe() if core.link else {"state": "none", "address": ""},
         }
 
     async def shutdown(self, grace_s: float) -> None:

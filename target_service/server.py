@@ -241,9 +241,13 @@ def _install_stop_signals(stop: asyncio.Event) -> Callable[[], None]:
         log.info("received %s; shutting down", signal.Signals(signum).name)
         stop.set()
 
+    def remove() -> None:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+
     for signum in signals:
         loop.add_signal_handler(signum, on_signal, signum)
-    return lambda: [loop.remove_signal_handler(s) for s in signals]
+    return remove
 
 
 async def _build_engine(config: EngineConfig, stop: asyncio.Event, build) -> AsyncEngine | None:
@@ -275,9 +279,13 @@ async def _drain(running: RunningServer, engine: AsyncEngine | None, grace_s: fl
 
 async def serve(config: ServeConfig, build: Callable[[EngineConfig], AsyncEngine] = AsyncEngine.build) -> int:
     """Run the server until SIGTERM/SIGINT; the process exit code."""
+    try:
+        running = await start_server(config)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        log.error("cannot serve on %s: %s", config.address, exc)
+        return 1
     stop = asyncio.Event()
     remove_signals = _install_stop_signals(stop)
-    running = await start_server(config)
     engine = None
     try:
         engine = await _build_engine(config.engine, stop, build)

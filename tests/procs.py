@@ -77,3 +77,33 @@ class Service:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_tokens(address: str, request, timeout: float = 120.0):
+    """Run one Generate; (token ids, Complete)."""
+    from splitspec.v1 import generation_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        tokens, complete = [], None
+        for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
+            if response.HasField("chunk"):
+                tokens.extend(response.chunk.token_ids)
+            else:
+                complete = response.complete
+        return tokens, complete
+
+
+def server_info(address: str):
+    from splitspec.v1 import generation_pb2 as pb
+    from splitspec.v1 import generation_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)

@@ -57,7 +57,7 @@ FP8_MIN_AGREEMENT = 0.8  # fraction of greedy draft tokens equal to the referenc
 
 
 def make_reference_dflash(
-    out_dir: Path, *, vocab_size: int, mask_token_id: int, seed: int = 0
+    out_dir: Path, *, vocab_size: int, mask_token_id: int, seed: int = 0, hidden_size: int = 64
 ) -> Path:
     """A tiny random z-lab DFlash checkpoint saved by the reference package itself.
 
@@ -69,8 +69,8 @@ def make_reference_dflash(
 
     config = Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=1,

@@ -147,7 +147,9 @@ def drafters(checkpoints, tmp_path_factory):
     token_file.chmod(0o600)
     procs = {
         "ngram": DrafterProcess("ngram", ["--ngram-min", "1", "--ngram-max", "3"], root / "ngram.log", token_file),
-        "draft_model": DrafterProcess("draft_model", ["--model", str(checkpoints.draft)], root / "draft.log", token_file),
+        "draft_model": DrafterProcess(
+            "draft_model", ["--model", str(checkpoints.draft)], root / "draft.log", token_file
+        ),
         "dflash": DrafterProcess(
             "dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target)],
             root / "dflash.log", token_file,
@@ -207,7 +209,8 @@ class FakeTarget:
         return dpb.TargetFacts(**fields)
 
     def negotiate(self, **overrides) -> dpb.NegotiateResponse:
-        request = dpb.NegotiateRequest(target_id=self.target_id, target=self.facts(**overrides), requested_order="auto")
+        facts = self.facts(**overrides)
+        request = dpb.NegotiateRequest(target_id=self.target_id, target=facts, requested_order="auto")
         self.negotiated = self.stub.Negotiate(request, metadata=self.metadata, timeout=RPC_TIMEOUT)
         return self.negotiated
 
@@ -246,7 +249,9 @@ class FakeTarget:
                                   staging_row=staging_row, new_pages=new_pages, last_token_id=last,
                                   num_speculative_tokens=k)
 
-    def propose(self, epoch: int, updates: list[dpb.SequenceUpdate], released: tuple[int, ...] = ()) -> dict[int, list[int]]:
+    def propose(
+        self, epoch: int, updates: list[dpb.SequenceUpdate], released: tuple[int, ...] = ()
+    ) -> dict[int, list[int]]:
         request = dpb.ProposeRequest(target_id=self.target_id, epoch=epoch, sequences=updates,
                                      released_seq_ids=released)
         response = self.stub.Propose(request, metadata=self.metadata, timeout=RPC_TIMEOUT)
@@ -376,7 +381,8 @@ def test_wrong_canary_and_stale_epoch_are_failed_precondition(target_for):
     error = rpc_error(lambda: fake.attach(epoch=1, bad_canary=True))
     assert error.code() == FAILED_PRECONDITION and "canary" in error.details()
     answer = fake.attach(epoch=2)
-    assert (answer.target_id, answer.epoch) == (fake.target_id, 2) and answer.mapped_bytes == fake.pool.layout.total_bytes
+    assert (answer.target_id, answer.epoch) == (fake.target_id, 2)
+    assert answer.mapped_bytes == fake.pool.layout.total_bytes
     seq = Seq(1)
     assert len(fake.propose(2, [fake.update(seq, [5, 6, 7, 8], 9)])[1]) == K
     error = rpc_error(lambda: fake.propose(1, [fake.update(seq, [9], 10)]))
@@ -539,7 +545,8 @@ def test_dflash_proposals_equal_the_reference(target_for, dflash_reference, toke
         row += len(p) - 1
     drafts = fake.propose(1, updates)
     for s in seqs:
-        assert drafts[s.seq_id] == reference_drafts(dflash_reference, s.tokens[:-1], s.tokens[-1], checkpoints.mask_token_id)
+        expected = reference_drafts(dflash_reference, s.tokens[:-1], s.tokens[-1], checkpoints.mask_token_id)
+        assert drafts[s.seq_id] == expected, s.seq_id
 
     staging.fill_(float("nan"))  # the target reuses staging: the drafter must have copied its rows
     # seq 0 accepts two drafts, seq 1 none; the new context's features land in rows 40.. and 2..
@@ -551,7 +558,8 @@ def test_dflash_proposals_equal_the_reference(target_for, dflash_reference, toke
         updates.append(fake.update(s, new_context, 11, staging_row=row))
     drafts = fake.propose(1, updates)
     for s in seqs:
-        assert drafts[s.seq_id] == reference_drafts(dflash_reference, s.tokens[:-1], s.tokens[-1], checkpoints.mask_token_id)
+        expected = reference_drafts(dflash_reference, s.tokens[:-1], s.tokens[-1], checkpoints.mask_token_id)
+        assert drafts[s.seq_id] == expected, s.seq_id
 
     bad = fake.update(Seq(9), [1, 2, 3], 4, staging_row=STAGING_ROWS - 2)
     error = rpc_error(lambda: fake.propose(1, [bad]))

@@ -12,12 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from splitspec.v1 import generation_pb2 as pb
-from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service
+from tests.procs import Service, stream_tokens
 from tests.test_dflash_parity import TARGET_LAYERS, make_reference_dflash
 from tests.tiny_models import PROMPTS, make_qwen3
 
@@ -60,17 +58,9 @@ def drafter_args(kind: str, models: Models) -> list[str]:
 
 
 def generate(address: str, prompt: str, **speculation) -> tuple[list[int], pb.Complete]:
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        request = pb.GenerateRequest(text=prompt, stop=pb.StopParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-                                     speculation=pb.SpeculationParams(**speculation))
-        tokens, complete = [], None
-        for response in stub.Generate(request, timeout=120):
-            if response.HasField("chunk"):
-                tokens.extend(response.chunk.token_ids)
-            else:
-                complete = response.complete
-        return tokens, complete
+    request = pb.GenerateRequest(text=prompt, stop=pb.StopParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                                 speculation=pb.SpeculationParams(**speculation))
+    return stream_tokens(address, request)
 
 
 def run_prompts(address: str, concurrency: int) -> list[tuple[list[int], pb.Complete]]:

@@ -55,7 +55,8 @@ class DrafterConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in CACHE_DTYPE_CHOICES:
-            raise ValueError(f"kv cache dtype must be one of {', '.join(CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}")
+            choices = ", ".join(CACHE_DTYPE_CHOICES)
+            raise ValueError(f"kv cache dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes need 1 <= min <= max, got min {self.ngram_min}, max {self.ngram_max}")
 
@@ -108,8 +109,8 @@ def load_drafter(config: DrafterConfig) -> Drafter:
     from draft_service.drafters.dflash import DFlashDrafter
 
     drafter = DFlashDrafter.load(config.model, config.target_model, cache, dtype, config.device, None)
-    if k is not None and k != drafter.num_speculative_tokens:
-        if k > drafter.num_speculative_tokens:
-            log.warning("--num-speculative-tokens %d exceeds DFlash block_size - 1; using %d", k, drafter.num_speculative_tokens)
-        drafter.num_speculative_tokens = min(k, drafter.num_speculative_tokens)
+    limit = drafter.num_speculative_tokens  # block_size - 1
+    if k is not None and k > limit:
+        log.warning("--num-speculative-tokens %d exceeds DFlash block_size - 1; using %d", k, limit)
+    drafter.num_speculative_tokens = min(k or limit, limit)
     return drafter

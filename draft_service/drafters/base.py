@@ -184,7 +184,8 @@ class Drafter:
     def update(self, update: Update) -> DraftSequence | None:
         """Fold an update into the sequence; None (and dropped) when it is out of sync."""
         if update.context_start == 0:
-            seq = DraftSequence(update.seq_id, [*update.context_token_ids, update.last_token_id], list(update.new_pages))
+            tokens = [*update.context_token_ids, update.last_token_id]
+            seq = DraftSequence(update.seq_id, tokens, list(update.new_pages))
             self.sequences[update.seq_id] = seq
             return seq
         seq = self.sequences.get(update.seq_id)

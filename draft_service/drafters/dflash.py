@@ -66,12 +66,15 @@ def load_target_heads(path: str, dtype: torch.dtype, device: torch.device | str)
         raise ValueError(f"target checkpoint {folder} lacks {', '.join(missing)}")
     embed = nn.Parameter(tensors[EMBED_NAME].to(device=device, dtype=dtype), requires_grad=False)
     heads.model.embed_tokens.weight = embed
-    heads.lm_head.weight = embed if tied else nn.Parameter(tensors[LM_HEAD_NAME].to(device=device, dtype=dtype),
-                                                             requires_grad=False)
+    if tied:
+        heads.lm_head.weight = embed
+    else:
+        heads.lm_head.weight = nn.Parameter(tensors[LM_HEAD_NAME].to(device=device, dtype=dtype), requires_grad=False)
     expected = (heads.args.vocab_size, heads.args.hidden_size)
     for name, weight in (("embedding", heads.model.embed_tokens.weight), ("lm_head", heads.lm_head.weight)):
         if tuple(weight.shape) != expected:
-            raise ValueError(f"target checkpoint {folder}: {name} has shape {tuple(weight.shape)}, the config implies {expected}")
+            shape = tuple(weight.shape)
+            raise ValueError(f"target checkpoint {folder}: {name} has shape {shape}, the config implies {expected}")
     return heads.eval()
 
 

@@ -101,9 +101,8 @@ class DraftModelDrafter(Drafter):
         starts = [min(seq.num_context, seq.last_position) for seq in seqs]
         ids = [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]]
         positions = [p for seq, s in zip(seqs, starts) for p in range(s, seq.num_tokens)]
-        return self._forward(
-            ids, positions, [seq.num_tokens - s for seq, s in zip(seqs, starts)], [seq.num_tokens for seq in seqs], seqs
-        )
+        query_lens = [seq.num_tokens - s for seq, s in zip(seqs, starts)]
+        return self._forward(ids, positions, query_lens, [seq.num_tokens for seq in seqs], seqs)
 
     def _decode(self, seqs: list[DraftSequence], tokens: list[int], step: int) -> list[int]:
         """Feed draft `step` (at last_pos + step) of each sequence; the next greedy token."""
@@ -111,7 +110,12 @@ class DraftModelDrafter(Drafter):
         return self._forward(tokens, positions, [1] * len(seqs), [p + 1 for p in positions], seqs)
 
     def _forward(
-        self, ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int], seqs: list[DraftSequence]
+        self,
+        ids: list[int],
+        positions: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        seqs: list[DraftSequence],
     ) -> list[int]:
         meta = AttentionMetadata.build(
             query_lens=query_lens,

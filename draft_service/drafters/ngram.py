@@ -23,7 +23,9 @@ def ngram_lookup(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) 
 class NgramDrafter(Drafter):
     kind = "ngram"
 
-    def __init__(self, cache_config: CacheConfig, num_speculative_tokens: int = 8, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(
+        self, cache_config: CacheConfig, num_speculative_tokens: int = 8, min_n: int = 1, max_n: int = 4
+    ) -> None:
         super().__init__(cache_config, "cpu")
         if num_speculative_tokens <= 0:
             raise ValueError(f"num_speculative_tokens must be positive, got {num_speculative_tokens}")
