@@ -115,3 +115,19 @@ def test_speculative_greedy_is_lossless(models, reference, drafter, kv_dtype, tm
         assert tokens == reference[kv_dtype][0] and complete.usage.num_drafts == 0
     finally:
         assert target.stop() == 0, target.log()
+
+
+def test_split_stack_equals_dflash_generate(models, reference):
+    """z-lab's own `dflash_generate` on the same checkpoints gives the same greedy tokens as
+    target-only decoding, which the split stack reproduces (test above)."""
+    import torch
+    from dflash.model import DFlashDraftModel, dflash_generate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models.target)
+    target = AutoModelForCausalLM.from_pretrained(models.target, dtype=torch.float32).eval()
+    draft = DFlashDraftModel.from_pretrained(models.dflash, dtype=torch.float32).eval()
+    for i, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([tok.encode(prompt)])
+        out = dflash_generate(draft, target, ids, max_new_tokens=MAX_TOKENS, stop_token_ids=None)
+        assert out[0, ids.shape[1]:].tolist() == reference["float32"][i], f"prompt {i}"
