@@ -75,7 +75,7 @@ def test_layout_regions_are_aligned_and_disjoint():
     spans = sorted((s.offset, s.offset + layout.region_bytes(s)) for s in layout.layers)
     spans.append((layout.staging.offset, layout.staging.offset + layout.staging.nbytes))
     spans.sort()
-    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+    for (_, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0
     assert all(off % 256 == 0 for off, _ in spans)
     assert layout.total_bytes >= spans[-1][1]

@@ -7,7 +7,6 @@ target-only server with the same KV dtype, for 20 prompts at concurrency 1, 4 an
 from __future__ import annotations
 
 import shutil
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path

@@ -210,9 +210,7 @@ def test_temperature_one_keeps_the_target_distribution(target_model, draft_lm, t
         drafter.kill()
 
 
-@pytest.mark.parametrize("hidden_size", [64, 256])
-def test_propose_bytes_do_not_grow_with_hidden_size(tmp_path, hidden_size, request_bytes={}):
-    """Propose carries ids only: the hidden states travel through the shared staging rows."""
+def _propose_bytes_per_sequence(tmp_path: Path, hidden_size: int) -> float:
     target = make_qwen3(tmp_path / "target", num_hidden_layers=TARGET_LAYERS, hidden_size=hidden_size,
                         intermediate_size=2 * hidden_size, head_dim=hidden_size // 4)
     from transformers import AutoTokenizer
@@ -227,18 +225,23 @@ def test_propose_bytes_do_not_grow_with_hidden_size(tmp_path, hidden_size, reque
         cache = CacheConfig(cache_dtype="float32", shm_dir=str(tmp_path), num_pages=128, page_size=8)
         core = build_engine_core(EngineConfig(model=str(target), cache=cache, drafter=address,
                                               internal_token=TOKEN))
-        assert core.link.ready, core.link.detail
-        for i, p in enumerate(PROMPTS[:4]):
-            core.add(EngineRequest(f"r{i}", tuple(tok.encode(p)), stop=StopParams(max_tokens=16, ignore_eos=True)))
-        while core.has_work():
-            core.step()
-        link = core.link
-        assert link.num_proposes > 0
-        request_bytes[hidden_size] = link.propose_bytes / link.propose_sequences
-        core.close()
+        try:
+            assert core.link.ready, core.link.detail
+            for i, p in enumerate(PROMPTS[:4]):
+                core.add(EngineRequest(f"r{i}", tuple(tok.encode(p)), stop=StopParams(max_tokens=16, ignore_eos=True)))
+            while core.has_work():
+                core.step()
+            assert core.link.num_proposes > 0
+            return core.link.propose_bytes / core.link.propose_sequences
+        finally:
+            core.close()
     finally:
         drafter.kill()
-    if len(request_bytes) == 2:
-        small, large = request_bytes[64], request_bytes[256]
-        # prefill updates carry the prompt ids; decode updates a handful of ids and page numbers
-        assert large < 1.25 * small and large < 200, request_bytes
+
+
+def test_propose_bytes_do_not_grow_with_hidden_size(tmp_path):
+    """Propose carries ids only: the hidden states travel through the shared staging rows."""
+    small = _propose_bytes_per_sequence(tmp_path / "h64", 64)
+    large = _propose_bytes_per_sequence(tmp_path / "h256", 256)
+    # prefill updates carry the prompt ids; decode updates a handful of ids and page numbers
+    assert large < 1.25 * small and large < 200, (small, large)
