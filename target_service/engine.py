@@ -56,6 +56,7 @@ from target_service.drafter_link import (
     describe_rpc_error,
     order_enum,
 )
+from target_service.metrics import TargetMetrics
 from target_service.model_runner import ModelRunner
 from target_service.scheduler import Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
@@ -63,6 +64,7 @@ from target_service.speculation import Speculator
 
 log = logging.getLogger(__name__)
 
+WARMUP_REQUEST_ID = "__warmup__"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -176,6 +178,10 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._next_seq_id = 0
         self._epoch = pool.layout.epoch
+        self.metrics = TargetMetrics()
+        self.metrics.watch(self)
+        if self.speculator is not None:
+            self.speculator.metrics = self.metrics
 
     @property
     def layout(self) -> KVLayout:
@@ -205,6 +211,7 @@ class EngineCore:
         detok = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids), request.stop.stop)
         self._tracked[request.request_id] = _Tracked(seq, detok, spec, generator)
         self.scheduler.add(seq)
+        self.metrics.on_admitted(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         tracked = self._tracked.pop(request_id, None)
@@ -230,9 +237,13 @@ class EngineCore:
         if spec is not None:
             for seq in plan.preempted:
                 spec.release(seq)
+        self.metrics.preemptions.inc(len(plan.preempted))
         if plan.is_empty:
             return []
+        self._note_first_scheduling(plan.scheduled)
         drafts = spec.propose(plan.scheduled) if spec else {}
+        if spec is not None and not spec.link.ready:
+            self.metrics.fallback_steps.inc()
         sampling = [s for s in plan.scheduled if s.samples]
         tracked = [self._tracked[s.seq.request_id] for s in sampling]
         emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
@@ -251,9 +262,16 @@ class EngineCore:
             spec.record_step(plan.scheduled, drafts, computed_before, row_starts)
         return outputs
 
-    @staticmethod
-    def _count_speculation(seq: Sequence, draft: list[int], emitted: list[int]) -> None:
+    def _note_first_scheduling(self, scheduled) -> None:
+        now = time.monotonic()
+        for s in scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+                self.metrics.on_scheduled(s.seq, now)
+
+    def _count_speculation(self, seq: Sequence, draft: list[int], emitted: list[int]) -> None:
         accepted = len(emitted) - 1
+        self.metrics.on_verified(len(draft), accepted)
         seq.spec.num_drafts += 1
         seq.spec.draft_tokens += len(draft)
         seq.spec.accepted_tokens += accepted
@@ -271,12 +289,21 @@ class EngineCore:
             reason = self._stop_reason(seq, token, detok)
             if reason is not None:
                 break
+        self._note_tokens(seq, len(emitted))
         if reason is None:
             text = detok.take(final=False)
             return RequestOutput(seq.request_id, tuple(emitted), text) if emitted or text else None
         del self._tracked[seq.request_id]
         self._remove(seq)
         return self._finish_output(tracked, reason, tuple(emitted))
+
+    def _note_tokens(self, seq: Sequence, n: int) -> None:
+        now = time.monotonic()
+        first = seq.first_token_time is None
+        self.metrics.on_tokens(seq, n, now, first, seq.last_token_time)
+        if first:
+            seq.first_token_time = now
+        seq.last_token_time = now
 
     def _stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> FinishReason | None:
         stop: StopParams = seq.request.stop
@@ -293,6 +320,8 @@ class EngineCore:
         return None
 
     def _finish_output(self, tracked: _Tracked, reason: FinishReason, tokens: tuple[int, ...]) -> RequestOutput:
+        if tracked.seq.request_id != WARMUP_REQUEST_ID:
+            self.metrics.on_finished(tracked.seq, reason.name.lower(), time.monotonic())
         text = tracked.detok.take(final=True)
         return RequestOutput(tracked.seq.request_id, tokens, text, reason, tracked.seq.usage())
 
@@ -334,8 +363,11 @@ class EngineCore:
                                           pool=export_pool(self.pool),
                                           canary=dpb.Canary(offset=canary.offset, value=canary.value)))
         except Exception as exc:  # rejected, unreachable, or no common layout: serve without it
-            link.mark_failed(describe_rpc_error(exc), rejected=isinstance(exc, (DrafterRejected, ValueError)))
+            rejected = isinstance(exc, (DrafterRejected, ValueError))
+            self.metrics.handshakes.labels(result="rejected" if rejected else "error").inc()
+            link.mark_failed(describe_rpc_error(exc), rejected=rejected)
             return False
+        self.metrics.handshakes.labels(result="ok").inc()
         link.mark_ready(facts, self.layout.target_id, self._epoch)
         self.speculator.reset()
         return True
@@ -351,7 +383,7 @@ class EngineCore:
     def warmup(self) -> None:
         """One prefill and a few decodes through every code path, then free everything."""
         n = min(32, self.config.max_num_batched_tokens, self.model_info.max_model_len - 4)
-        request = EngineRequest("__warmup__", tuple([0] * max(1, n)), stop=StopParams(max_tokens=3, ignore_eos=True))
+        request = EngineRequest(WARMUP_REQUEST_ID, tuple([0] * max(1, n)), stop=StopParams(max_tokens=3, ignore_eos=True))
         self.add(request)
         while request.request_id in self._tracked:
             self.step()

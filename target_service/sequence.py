@@ -34,6 +34,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     drafter_epoch: int | None = None  # the handshake epoch whose drafter saw this sequence from its start

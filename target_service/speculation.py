@@ -11,11 +11,13 @@ from position 0; any failure ends the epoch, so no half-delivered update is ever
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import EngineRequest
 from target_service.drafter_link import DrafterLink, describe_rpc_error
+from target_service.metrics import TargetMetrics
 from target_service.scheduler import ScheduledSeq
 from target_service.sequence import Sequence
 
@@ -28,6 +30,7 @@ class Speculator:
     server_k: int
     max_model_len: int
     vocab_size: int
+    metrics: TargetMetrics | None = None
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
 
@@ -75,11 +78,14 @@ class Speculator:
         request = dpb.ProposeRequest(target_id=self.link.target_id, epoch=self.link.epoch,
                                      sequences=list(updates.values()), released_seq_ids=self._released)
         self.reset()
+        started = time.monotonic()
         try:
             reply = self.link.propose(request)
         except Exception as exc:  # down, hung past the deadline, or an error: no speculation
             self.link.mark_failed(describe_rpc_error(exc))
             return {}
+        if self.metrics is not None:
+            self.metrics.propose_latency.observe(time.monotonic() - started)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled})
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int]) -> dict[int, list[int]]:
@@ -88,10 +94,12 @@ class Speculator:
         for draft in reply.drafts:
             limit = reserved.get(draft.seq_id, 0)
             tokens = list(draft.token_ids)
-            if limit == 0 or not tokens:
+            if not tokens:
                 continue
             if len(tokens) > limit or any(not 0 <= t < self.vocab_size for t in tokens):
                 log.warning("drafter returned an invalid draft for sequence %d; ignored", draft.seq_id)
+                if self.metrics is not None:
+                    self.metrics.invalid_drafts.inc()
                 continue
             drafts[draft.seq_id] = tokens
         return drafts

@@ -1,0 +1,135 @@
+"""Prometheus metrics of the target, named so vLLM dashboards translate (`vllm:` → `splitspec_`).
+
+Everything observed here is a host-side Python number the engine already has (token
+counts, monotonic timestamps): recording a metric never synchronizes the GPU. Gauges of
+the engine's state (running, waiting, KV pages, drafter up) are read at scrape time by a
+collector, so the hot path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from target_service.engine import EngineCore
+    from target_service.sequence import Sequence
+
+# Buckets as vLLM's, so percentiles compare.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+PROPOSE_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
+
+
+class TargetMetrics:
+    """The target's metric families in their own registry (no module-level state)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests_finished = Counter("splitspec_requests_finished", "Finished requests by finish reason.",
+                                         ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("splitspec_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("splitspec_generation_tokens", "Generated (emitted) tokens.", registry=r)
+        self.preemptions = Counter("splitspec_preemptions", "Sequences preempted for recompute.", registry=r)
+        self.ttft = Histogram("splitspec_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("splitspec_inter_token_latency_seconds",
+                             "Time between tokens; a step emitting n tokens counts n observations of interval/n.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("splitspec_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("splitspec_request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.num_drafts = Counter("splitspec_spec_decode_num_drafts", "Verify steps that carried draft tokens.",
+                                  registry=r)
+        self.num_draft_tokens = Counter("splitspec_spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                        registry=r)
+        self.num_accepted_tokens = Counter("splitspec_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           registry=r)
+        self.accepted_per_pos = Counter("splitspec_spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the draft (0-based).", ["position"],
+                                        registry=r)
+        self.handshakes = Counter("splitspec_drafter_handshakes", "Handshakes with the drafter by result.",
+                                  ["result"], registry=r)
+        self.fallback_steps = Counter("splitspec_spec_decode_fallback_steps",
+                                      "Steps run without speculation because the drafter was unavailable or failed.",
+                                      registry=r)
+        self.invalid_drafts = Counter("splitspec_spec_decode_invalid_drafts",
+                                      "Drafts discarded as invalid (unknown sequence, out-of-vocabulary ids, too long).",
+                                      registry=r)
+        self.propose_latency = Histogram("splitspec_drafter_propose_latency_seconds",
+                                         "Round trip of one batched Propose.", buckets=PROPOSE_BUCKETS, registry=r)
+
+    def watch(self, core: EngineCore) -> None:
+        """Expose the engine's state as gauges read at scrape time."""
+        self.registry.register(EngineStateCollector(core))
+
+    # -- per-request events (host values only) ---------------------------------------
+
+    def on_admitted(self, seq: Sequence) -> None:
+        self.prompt_tokens.inc(seq.num_prompt_tokens)
+
+    def on_scheduled(self, seq: Sequence, now: float) -> None:
+        self.queue_time.observe(now - seq.arrival_time)
+
+    def on_tokens(self, seq: Sequence, n: int, now: float, first: bool, previous: float | None) -> None:
+        self.generation_tokens.inc(n)
+        if first:
+            self.ttft.observe(now - seq.arrival_time)
+            n -= 1  # the first token has no interval before it
+        if previous is not None and n > 0:
+            interval = (now - previous) / n
+            for _ in range(n):
+                self.itl.observe(interval)
+
+    def on_finished(self, seq: Sequence, reason: str, now: float) -> None:
+        self.requests_finished.labels(finish_reason=reason).inc()
+        self.e2e.observe(now - seq.arrival_time)
+
+    def on_verified(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(num_draft)
+        self.num_accepted_tokens.inc(num_accepted)
+        for position in range(num_accepted):
+            self.accepted_per_pos.labels(position=str(position)).inc()
+
+
+class EngineStateCollector(Collector):
+    """Gauges computed when Prometheus scrapes: running/waiting, KV pool, drafter, layout."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+
+    def collect(self):
+        core = self._core
+        bm = core.block_manager
+        yield _gauge("splitspec_requests_running", "Sequences in the running batch.", core.num_running)
+        yield _gauge("splitspec_requests_waiting", "Requests waiting for admission.", core.num_waiting)
+        yield _gauge("splitspec_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1).", bm.usage)
+        yield _gauge("splitspec_kv_cache_free_pages", "Free KV pages.", bm.num_free_pages)
+        yield _gauge("splitspec_kv_cache_pages", "KV pages in the pool.", bm.num_pages)
+        link = core.link
+        yield _gauge("splitspec_drafter_up", "1 when the drafter is handshaken and speculating, else 0.",
+                     1 if link is not None and link.ready else 0)
+        layout = core.layout
+        info = InfoMetricFamily("splitspec_kv_layout", "The agreed KV-cache layout.")
+        info.add_metric([], {"order": layout.order, "kv_dtype": layout.kv_dtype, "page_size": str(layout.page_size),
+                             "num_pages": str(layout.num_pages), "epoch": str(layout.epoch)})
+        yield info
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def now() -> float:
+    return time.monotonic()
