@@ -13,8 +13,8 @@ fp8 pages hold `value / scale` (clamped to the finite fp8 range); reads return
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -360,14 +360,33 @@ class TorchAttentionBackend:
         return self._plan
 
 
-def select_backend(name: str, device: torch.device) -> type[TorchAttentionBackend]:
-    """The backend class for `--attention-backend` (auto | torch | flashinfer)."""
-    if name in ("auto", "torch"):
+def select_backend(
+    name: str,
+    device: torch.device,
+    *,
+    head_dims: tuple[int, ...] = (),
+    model_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> type:
+    """The backend class for `--attention-backend` (auto | torch | flashinfer).
+
+    auto: FlashInfer on a CUDA device where `import flashinfer` works and its kernels fit the
+    model (head dims, model and KV dtypes, when given), else torch, with a warning saying why.
+    flashinfer: the same conditions, as a ValueError naming what to change."""
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend
-    if name == "flashinfer":
-        if device.type != "cuda":
-            raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
-        if importlib.util.find_spec("flashinfer") is None:
-            raise ValueError("attention backend 'flashinfer' is not installed (pip install splitspec[cuda])")
-        raise ValueError("attention backend 'flashinfer' is not available yet; use 'torch' or 'auto'")
-    raise ValueError(f"attention backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
+    from common.flashinfer_backend import FlashInferAttentionBackend, flashinfer_import_error
+
+    if device.type != "cuda":
+        raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
+    reason = flashinfer_import_error() or FlashInferAttentionBackend.unsupported_reason(
+        head_dims=tuple(head_dims), model_dtype=model_dtype, kv_dtype=kv_dtype
+    )
+    if reason is None:
+        return FlashInferAttentionBackend
+    if name == "auto":
+        logging.getLogger(__name__).warning("attention backend auto: %s; using the torch backend", reason)
+        return TorchAttentionBackend
+    raise ValueError(f"attention backend 'flashinfer' is not available: {reason}")

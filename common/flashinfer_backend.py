@@ -1,0 +1,518 @@
+"""The FlashInfer attention backend (CUDA): paged prefill, verify, DFlash blocks, decode.
+
+One step, as the model runner drives it:
+  plan(meta)  builds FlashInfer's page-table inputs from the metadata on the host
+              (`build_plan_inputs`, a pure function) and copies them to the device once;
+  forward()   per layer: quantizes this step's K/V to the page dtype, appends it with
+              `append_paged_kv_cache`, then attends with the step's wrapper. The first
+              layer of a step plans the wrapper (it needs the head counts and dtypes,
+              which only the layer knows); every later layer with the same shape reuses
+              that plan.
+
+Wrappers: `BatchDecodeWithPagedKVCacheWrapper` when every sequence has one query (decode
+steps); `BatchPrefillWithPagedKVCacheWrapper` otherwise: prefill chunks, K+1-token verify
+(causal, FlashInfer aligns the causal mask bottom-right: query i of a sequence with q
+queries and kv keys sees keys 0 .. kv - q + i, as the torch backend does) and DFlash
+query blocks (`meta.causal` False: every query sees all kv keys). No custom masks.
+
+Pages: one layer region `[P, 2, ps, H, D]` (NHD) or `[P, 2, H, ps, D]` (HND), exactly
+FlashInfer's single-tensor paged KV format; `kv_layout` is the resolved layout's order.
+fp8 pages hold `value / scale`; the kernels read them with `k_scale` (folded into the
+softmax scale) and `v_scale` (applied to the output), which is the torch backend's
+`page * scale`.
+
+Page order preference (`preferred_order`): HND on compute capability >= 9.0 (Hopper,
+Blackwell), NHD below. HND keeps one head's tokens of a page contiguous
+(page_size x head_dim elements: 2 KiB for fp8, page 16, dim 128), which is the tile the
+decode kernels and the Blackwell trtllm-gen kernels load in one piece; FlashInfer's
+trtllm-gen path only reads HND (it transposes NHD pages on every call). Both orders are
+supported everywhere, so an explicit `--kv-layout` always works.
+
+`flashinfer` is imported lazily (it needs CUDA and heavy dependencies); importing this
+module works on any machine. Tests inject a pure-torch model of the kernels
+(`kernels=`), built from `reference_append` and `reference_attention` below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from common.attention import dequantize, is_fp8_dtype, quantize
+from common.attention_metadata import AttentionMetadata
+from common.kv_layout import KVLayout, LayerSpec
+
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-KV scratch; shared by every wrapper of a backend
+HOPPER = (9, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Availability
+
+
+@lru_cache(maxsize=1)
+def flashinfer_import_error() -> str | None:
+    """None when `import flashinfer` works here, else why it does not (checked once)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer-python is not installed (pip install 'splitspec[cuda]')"
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:  # noqa: BLE001 - missing CUDA libraries, wrong torch build, ...
+        return f"import flashinfer failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+def load_kernels() -> ModuleType:
+    error = flashinfer_import_error()
+    if error is not None:
+        raise RuntimeError(f"attention backend 'flashinfer': {error}")
+    return importlib.import_module("flashinfer")
+
+
+# ---------------------------------------------------------------------------------------
+# Plan inputs: pure, on the host
+
+
+@dataclass(frozen=True)
+class PagedPlanInputs:
+    """FlashInfer's description of one step's batch (all int32; CPU unless moved)."""
+
+    qo_indptr: torch.Tensor  # [B + 1] query rows of sequence b: qo_indptr[b] : qo_indptr[b + 1]
+    kv_indptr: torch.Tensor  # [B + 1] its pages: kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
+    kv_indices: torch.Tensor  # [sum of pages] page ids, in sequence order
+    kv_last_page_len: torch.Tensor  # [B] tokens in each sequence's last page (1..page_size; 0 if empty)
+    batch_indices: torch.Tensor  # [T] the sequence of each query token (for the append)
+    positions: torch.Tensor  # [T] each query token's position in its sequence (for the append)
+    page_size: int
+    causal: bool
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_last_page_len.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_indices.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has exactly one query: the decode wrapper serves the step."""
+        return self.num_seqs > 0 and self.max_query_len == 1 and self.num_tokens == self.num_seqs
+
+    def kv_lens(self) -> torch.Tensor:  # [B], FlashInfer's get_seq_lens
+        pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
+        return (pages - 1).clamp(min=0) * self.page_size + self.kv_last_page_len
+
+    def to(self, device: torch.device) -> PagedPlanInputs:
+        tensors = {
+            name: getattr(self, name).to(device, non_blocking=True)
+            for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "batch_indices", "positions")
+        }
+        return PagedPlanInputs(**tensors, page_size=self.page_size, causal=self.causal,
+                               max_query_len=self.max_query_len)
+
+
+def build_plan_inputs(meta: AttentionMetadata) -> PagedPlanInputs:
+    """From the metadata's host lists: each sequence's first ceil(seq_len / page_size) pages."""
+    page_size = meta.page_size
+    kv_indptr, indices, last_lens, batch_indices, positions = [0], [], [], [], []
+    for b, (q_len, s_len, table) in enumerate(zip(meta.query_lens, meta.seq_lens, meta.block_tables)):
+        num_pages = -(-s_len // page_size)
+        if len(table) < num_pages:
+            raise ValueError(f"sequence {b}: block table of {len(table)} pages cannot hold {s_len} tokens")
+        indices.extend(table[:num_pages])
+        kv_indptr.append(len(indices))
+        last_lens.append(s_len - (num_pages - 1) * page_size if num_pages else 0)
+        batch_indices.extend([b] * q_len)
+        positions.extend(range(s_len - q_len, s_len))
+    qo_indptr = [0]
+    for q_len in meta.query_lens:
+        qo_indptr.append(qo_indptr[-1] + q_len)
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    return PagedPlanInputs(
+        qo_indptr=i32(qo_indptr),
+        kv_indptr=i32(kv_indptr),
+        kv_indices=i32(indices),
+        kv_last_page_len=i32(last_lens),
+        batch_indices=i32(batch_indices),
+        positions=i32(positions),
+        page_size=page_size,
+        causal=meta.causal,
+        max_query_len=max(meta.query_lens, default=0),
+    )
+
+
+def kv_slots(inputs: PagedPlanInputs, seq: int) -> list[int]:
+    """The slots (page * page_size + offset) of sequence `seq`'s keys 0 .. kv_len - 1."""
+    ps = inputs.page_size
+    lo = int(inputs.kv_indptr[seq])
+    kv_len = int(inputs.kv_lens()[seq])
+    pages = inputs.kv_indices.tolist()
+    return [pages[lo + j // ps] * ps + j % ps for j in range(kv_len)]
+
+
+def append_slots(inputs: PagedPlanInputs) -> torch.Tensor:
+    """[T] int64: the slot `append_paged_kv_cache` writes each query token's K/V to."""
+    ps = inputs.page_size
+    b = inputs.batch_indices.long()
+    pos = inputs.positions.long()
+    pages = inputs.kv_indices.long()[inputs.kv_indptr.long()[b] + pos // ps]
+    return pages * ps + pos % ps
+
+
+def visible_keys(inputs: PagedPlanInputs, seq: int, query: int) -> int:
+    """How many of the sequence's keys (0 .. n - 1) query `query` of it attends to."""
+    kv_len = int(inputs.kv_lens()[seq])
+    if not inputs.causal:
+        return kv_len
+    q_len = int(inputs.qo_indptr[seq + 1] - inputs.qo_indptr[seq])
+    return kv_len - q_len + query + 1
+
+
+# ---------------------------------------------------------------------------------------
+# A pure-torch model of the two kernels (CPU tests inject it; the GPU checks compare).
+
+
+def reference_append(
+    k: torch.Tensor,  # [T, H, D] already in the page dtype
+    v: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [P, 2, ps, H, D] (NHD) or [P, 2, H, ps, D] (HND)
+    inputs: PagedPlanInputs,
+    order: str,
+) -> None:
+    """What `append_paged_kv_cache` does: token t goes to its sequence's page for its position."""
+    slots = append_slots(inputs)
+    pages, offsets = slots // inputs.page_size, slots % inputs.page_size
+    for plane, x in ((0, k), (1, v)):
+        if order == "NHD":
+            kv_cache[pages, plane, offsets] = x
+        else:
+            kv_cache[pages, plane, :, offsets] = x
+
+
+def reference_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,
+    inputs: PagedPlanInputs,
+    order: str,
+    *,
+    sm_scale: float,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """What the paged wrappers compute, in float32: softmax(q k^T * sm_scale * k_scale) v * v_scale."""
+    if is_fp8_dtype(kv_cache.dtype):
+        kv_cache = dequantize(kv_cache, torch.float32)  # the page values; the scales come below
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    heads = q.shape[1]
+    ps = inputs.page_size
+    for b in range(inputs.num_seqs):
+        lo, hi = int(inputs.qo_indptr[b]), int(inputs.qo_indptr[b + 1])
+        if hi == lo:
+            continue
+        slots = torch.tensor(kv_slots(inputs, b), dtype=torch.long, device=kv_cache.device)
+        pages, offsets = slots // ps, slots % ps
+        if order == "NHD":
+            keys, values = kv_cache[pages, 0, offsets], kv_cache[pages, 1, offsets]  # [S, Hkv, D]
+        else:
+            keys, values = kv_cache[pages, 0, :, offsets], kv_cache[pages, 1, :, offsets]
+        keys, values = keys.float(), values.float()
+        group = heads // keys.shape[1]
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        queries = q[lo:hi].float().transpose(0, 1)  # [Hq, Q, D]
+        scores = queries @ keys.transpose(1, 2) * (sm_scale * (k_scale or 1.0))  # [Hq, Q, S]
+        seen = torch.tensor([visible_keys(inputs, b, i) for i in range(hi - lo)], device=q.device)  # [Q]
+        hidden = torch.arange(keys.shape[1], device=q.device)[None, :] >= seen[:, None]  # [Q, S]
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        out[lo:hi] = (scores.softmax(-1) @ values).transpose(0, 1) * (v_scale or 1.0)
+    return out.to(out_dtype or q.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# The backend
+
+
+@dataclass
+class _Step:
+    """One planned step: host inputs, their device copy, and the wrappers planned so far."""
+
+    host: PagedPlanInputs
+    device: PagedPlanInputs
+    planned: dict[tuple, Any] = field(default_factory=dict)  # problem key -> planned wrapper
+
+
+class FlashInferAttentionBackend:
+    """Paged attention with FlashInfer kernels (CUDA; NHD and HND; bf16/fp16/fp8 pages)."""
+
+    name = "flashinfer"
+    SUPPORTED_Q_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    SUPPORTED_KV_DTYPES: tuple[torch.dtype, ...] = (
+        torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+    SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        workspace_bytes: int = WORKSPACE_BYTES,
+        kernels: Any = None,  # the `flashinfer` module, or a stand-in with the same API
+        kernel_backend: str = "auto",  # FlashInfer's own choice: auto | fa2 | fa3 | ...
+    ) -> None:
+        self.layout = layout
+        self.workspace_bytes = workspace_bytes
+        self.kernel_backend = kernel_backend
+        self._kernels = kernels
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[tuple, Any] = {}  # (kind, problem key) -> wrapper, built once
+        self._step: _Step | None = None
+        self._checked: set[tuple] = set()
+        self.num_plans = 0  # wrapper.plan calls so far (one per step per distinct layer shape)
+
+    @classmethod
+    def unsupported_reason(
+        cls,
+        *,
+        head_dims: tuple[int, ...] = (),
+        model_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> str | None:
+        """Why FlashInfer's kernels cannot serve this model (None: they can); for start-up checks."""
+        problems = []
+        if model_dtype is not None and model_dtype not in cls.SUPPORTED_Q_DTYPES:
+            problems.append(f"the model computes in {model_dtype}; FlashInfer needs bfloat16 or float16")
+        if kv_dtype is not None and kv_dtype not in cls.SUPPORTED_KV_DTYPES:
+            problems.append(f"KV pages of {kv_dtype} are not supported (use bfloat16, float16 or fp8)")
+        bad = sorted({d for d in head_dims if d not in cls.SUPPORTED_HEAD_DIMS})
+        if bad:
+            dims = ", ".join(map(str, cls.SUPPORTED_HEAD_DIMS))
+            problems.append(f"head_dim {', '.join(map(str, bad))} is not one of FlashInfer's ({dims})")
+        return "; ".join(problems) or None
+
+    # -- layout resolution --------------------------------------------------------------
+
+    @classmethod
+    def supported_orders(cls, device: torch.device) -> tuple[str, ...]:
+        return ("NHD", "HND")
+
+    @classmethod
+    def preferred_order(cls, device: torch.device) -> str:
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= HOPPER:
+            return "HND"
+        return "NHD"
+
+    # -- per step -----------------------------------------------------------------------
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        if meta.page_size != self.layout.page_size:
+            raise ValueError(
+                f"attention metadata page_size {meta.page_size} != KV layout page_size {self.layout.page_size}"
+            )
+        host = build_plan_inputs(meta)
+        device = meta.slot_mapping.device
+        self._ensure_workspace(device)
+        self._step = _Step(host, host.to(device))
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,
+        spec: LayerSpec,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        step = self._require_step(q.shape[0])
+        self._check_problem(q, kv_cache, spec)
+        self._append(k, v, kv_cache, spec, step)
+        wrapper = self._planned_wrapper(step, q, kv_cache, spec, scale)
+        k_scale, v_scale = (spec.k_scale, spec.v_scale) if is_fp8_dtype(kv_cache.dtype) else (None, None)
+        return wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale)
+
+    # -- internals ----------------------------------------------------------------------
+
+    @property
+    def kernels(self) -> Any:
+        if self._kernels is None:
+            self._kernels = load_kernels()
+        return self._kernels
+
+    def _ensure_workspace(self, device: torch.device) -> None:
+        """One zeroed scratch buffer, allocated on the first plan and kept (FlashInfer wants 0s)."""
+        if self._workspace is None:
+            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+        elif self._workspace.device != device:
+            raise ValueError(f"attention backend planned on {self._workspace.device}, now asked for {device}")
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, spec: LayerSpec,
+                step: _Step) -> None:
+        """Quantize K/V to the page dtype (fp8: value / scale), then append them at their positions."""
+        if step.host.num_tokens == 0:
+            return
+        d = step.device
+        self.kernels.append_paged_kv_cache(
+            quantize(k, kv_cache.dtype, spec.k_scale).contiguous(),
+            quantize(v, kv_cache.dtype, spec.v_scale).contiguous(),
+            d.batch_indices, d.positions, kv_cache, d.kv_indices, d.kv_indptr, d.kv_last_page_len,
+            kv_layout=self.layout.order,
+        )
+
+    def _planned_wrapper(self, step: _Step, q: torch.Tensor, kv_cache: torch.Tensor, spec: LayerSpec,
+                         scale: float) -> Any:
+        """The wrapper planned for this step and this layer shape; planned on first use."""
+        key = (q.shape[1], spec.num_kv_heads, spec.head_dim, q.dtype, kv_cache.dtype, float(scale))
+        if key in step.planned:
+            return step.planned[key]
+        kind = "decode" if step.host.is_decode else "prefill"
+        wrapper = self._wrapper(kind, key)
+        h = step.host
+        num_qo_heads, num_kv_heads, head_dim = key[0], key[1], key[2]
+        dtypes = {"q_data_type": q.dtype, "kv_data_type": kv_cache.dtype, "o_data_type": q.dtype,
+                  "sm_scale": float(scale)}
+        if kind == "decode":
+            wrapper.plan(h.kv_indptr, h.kv_indices, h.kv_last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                         h.page_size, **dtypes)
+        else:
+            wrapper.plan(h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len, num_qo_heads, num_kv_heads,
+                         head_dim, h.page_size, causal=h.causal, **dtypes)
+        self.num_plans += 1
+        step.planned[key] = wrapper
+        return wrapper
+
+    def _wrapper(self, kind: str, key: tuple) -> Any:
+        """One wrapper per kind and layer shape for the backend's life, all on one workspace."""
+        if (kind, key) not in self._wrappers:
+            fi = self.kernels
+            if kind == "decode":
+                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, self.layout.order, use_tensor_cores=True, backend=self.kernel_backend
+                )
+            else:
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace, self.layout.order, backend=self.kernel_backend
+                )
+            self._wrappers[(kind, key)] = wrapper
+        return self._wrappers[(kind, key)]
+
+    def _check_problem(self, q: torch.Tensor, kv_cache: torch.Tensor, spec: LayerSpec) -> None:
+        key = (q.dtype, kv_cache.dtype, spec.head_dim, q.shape[1], spec.num_kv_heads)
+        if key in self._checked:
+            return
+        reason = self.unsupported_reason(head_dims=(spec.head_dim,), model_dtype=q.dtype, kv_dtype=kv_cache.dtype)
+        if q.shape[1] % spec.num_kv_heads:
+            grouping = f"{q.shape[1]} query heads are not a multiple of {spec.num_kv_heads} KV heads"
+            reason = f"{reason}; {grouping}" if reason else grouping
+        if reason:
+            raise ValueError(f"attention backend 'flashinfer', {spec.owner} layer {spec.index}: {reason} "
+                             "(use --dtype bfloat16, or --attention-backend torch)")
+        self._checked.add(key)
+
+    def _require_step(self, num_tokens: int) -> _Step:
+        if self._step is None:
+            raise RuntimeError("attention backend: plan(meta) must be called before forward()")
+        if self._step.host.num_tokens != num_tokens:
+            raise RuntimeError(
+                f"attention backend: planned for {self._step.host.num_tokens} tokens, got {num_tokens} "
+                "(was plan(meta) called for this step?)"
+            )
+        return self._step
+
+
+# ---------------------------------------------------------------------------------------
+# A stand-in for the `flashinfer` module built on the reference model above (CPU tests).
+
+
+class ReferenceKernels:
+    """The slice of FlashInfer's API the backend uses, computed by the pure-torch model.
+
+    Signatures follow flashinfer-python 0.7.2: the wrappers take the workspace and the
+    layout, `plan` takes host page tables and head counts, `run(q, paged_kv_cache,
+    k_scale=, v_scale=)`. It records calls so that tests can count plans and appends.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        kernels = self
+
+        class _Wrapper:
+            kind = ""
+
+            def __init__(self, float_workspace_buffer, kv_layout="NHD", **kwargs) -> None:
+                kernels.calls.append(f"new_{self.kind}")
+                self.workspace = float_workspace_buffer
+                self.kv_layout = kv_layout
+                self.options = kwargs
+                self.inputs: PagedPlanInputs | None = None
+
+            def _plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads,
+                      head_dim, page_size, causal, q_data_type, kv_data_type, o_data_type, sm_scale) -> None:
+                kernels.calls.append(f"plan_{self.kind}")
+                num_tokens = int(qo_indptr[-1])
+                self.inputs = PagedPlanInputs(
+                    qo_indptr, kv_indptr, kv_indices, last_page_len,
+                    torch.zeros(num_tokens, dtype=torch.int32), torch.zeros(num_tokens, dtype=torch.int32),
+                    page_size, causal, int((qo_indptr[1:] - qo_indptr[:-1]).max()) if num_tokens else 0,
+                )
+                self.shape = (num_qo_heads, num_kv_heads, head_dim)
+                self.dtypes = (q_data_type, kv_data_type, o_data_type)
+                self.sm_scale = sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim)
+
+            def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None):
+                kernels.calls.append(f"run_{self.kind}")
+                if self.inputs is None:
+                    raise RuntimeError("run before plan")
+                if (q.shape[1], paged_kv_cache.shape[-1]) != (self.shape[0], self.shape[2]):
+                    raise RuntimeError(f"planned {self.shape}, ran q {tuple(q.shape)}")
+                if (q.dtype, paged_kv_cache.dtype) != self.dtypes[:2]:
+                    raise RuntimeError(f"planned dtypes {self.dtypes[:2]}, ran {q.dtype}, {paged_kv_cache.dtype}")
+                return reference_attention(q, paged_kv_cache, self.inputs, self.kv_layout, sm_scale=self.sm_scale,
+                                           k_scale=k_scale, v_scale=v_scale, out_dtype=self.dtypes[2])
+
+        class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+            kind = "prefill"
+
+            def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                     num_kv_heads, head_dim_qk, page_size, *, causal=False, q_data_type="float16",
+                     kv_data_type=None, o_data_type=None, sm_scale=None, **_) -> None:
+                self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                           num_kv_heads, head_dim_qk, page_size, causal, q_data_type,
+                           kv_data_type or q_data_type, o_data_type or q_data_type, sm_scale)
+
+        class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+            kind = "decode"
+
+            def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+                     q_data_type="float16", kv_data_type=None, o_data_type=None, sm_scale=None, **_) -> None:
+                batch = last_page_len.shape[0]
+                qo_indptr = torch.arange(batch + 1, dtype=torch.int32)
+                self._plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                           page_size, True, q_data_type, kv_data_type or q_data_type, o_data_type or q_data_type,
+                           sm_scale)
+
+        self.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+        self.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+
+    def append_paged_kv_cache(self, append_key, append_value, batch_indices, positions, paged_kv_cache,
+                              kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD") -> None:
+        self.calls.append("append")
+        if append_key.dtype != paged_kv_cache.dtype:
+            raise RuntimeError(f"append: keys in {append_key.dtype}, pages in {paged_kv_cache.dtype}")
+        page_size = paged_kv_cache.shape[2] if kv_layout == "NHD" else paged_kv_cache.shape[3]
+        inputs = PagedPlanInputs(
+            torch.zeros(kv_last_page_len.shape[0] + 1, dtype=torch.int32), kv_indptr, kv_indices, kv_last_page_len,
+            batch_indices, positions, page_size, True, 1,
+        )
+        reference_append(append_key, append_value, paged_kv_cache, inputs, kv_layout)
