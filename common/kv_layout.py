@@ -212,15 +212,19 @@ def resolve_order(
             raise LayoutResolutionError(f"--kv-layout must be NHD, HND or auto, got {requested!r}")
         missing = [name for name, s in sides.items() if requested not in s]
         if missing:
-            detail = "; ".join(f"{name} supports {', '.join(sides[name])}" for name in sides)
+            detail = _supported_detail(sides)
             raise LayoutResolutionError(
                 f"--kv-layout {requested} is not supported by the {' and '.join(missing)} ({detail})"
             )
         return requested  # type: ignore[return-value]
     if not common:
-        detail = "; ".join(f"{name} supports {', '.join(s)}" for name, s in sides.items())
+        detail = _supported_detail(sides)
         raise LayoutResolutionError(f"no KV page order is supported by every side ({detail})")
     return target_preferred if target_preferred in common else common[0]  # type: ignore[return-value]
+
+
+def _supported_detail(sides: dict[str, tuple[str, ...]]) -> str:
+    return "; ".join(f"{name} supports {', '.join(s) or 'no known order'}" for name, s in sides.items())
 
 
 class LayoutState:

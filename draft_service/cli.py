@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 
+from common.cli import HelpFormatter, add_log_level, parse_bytes, positive_int, run_service
 from common.kv_layout import CACHE_DTYPE_CHOICES
 from draft_service.drafters import DTYPES, KINDS
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="splitspec-draft",
         description="Serve draft tokens to a splitspec-target over gRPC, reading and writing its shared KV pool.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     model = p.add_argument_group("drafter")
     model.add_argument("--model", default=None,
@@ -31,15 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the target's checkpoint: DFlash reads its embedding and lm_head (only those tensors)")
     model.add_argument("--kind", default="auto", choices=("auto", *KINDS),
                        help="auto: DFlashDraftModel → dflash, *ForCausalLM → draft_model, no --model → ngram")
-    model.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+    model.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                        help="most draft tokens per step (default 8; DFlash: block_size - 1, also its cap)")
     model.add_argument("--device", default="cpu", help="torch device; must be the target's (cpu, cuda, cuda:1)")
     model.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                        help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
     model.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
                        help="required KV page dtype (auto: whatever the target's pool uses)")
-    model.add_argument("--ngram-min", type=_positive_int, default=1, help="shortest n-gram to match")
-    model.add_argument("--ngram-max", type=_positive_int, default=4, help="longest n-gram to match")
+    model.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to match")
+    model.add_argument("--ngram-max", type=positive_int, default=4, help="longest n-gram to match")
 
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
@@ -47,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=50061, help="port to listen on (0: any free port, logged)")
     srv.add_argument("--internal-token-file", default=None,
                      help="file holding the shared token (default: $SPLITSPEC_INTERNAL_TOKEN)")
-    srv.add_argument("--max-message-bytes", type=_positive_int, default=64 << 20, help="gRPC message size limit")
+    srv.add_argument("--max-message-bytes", type=parse_bytes, default="64MiB", help="gRPC message size limit")
     srv.add_argument("--shutdown-grace-s", type=float, default=5.0, help="on SIGTERM, seconds in-flight calls get")
-    srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_log_level(srv)
     return p
 
 
@@ -80,20 +72,7 @@ def serve_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        config = serve_config(args)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
-    from draft_service.server import serve
-
-    return asyncio.run(serve(config))
+    return run_service(build_parser(), serve_config, "draft_service.server", argv)
 
 
 if __name__ == "__main__":

@@ -3,24 +3,29 @@
 State machine (DESIGN.md §3): Negotiate (facts) → Attach (layout, pool, canary) →
 Propose / Release. Every call that touches the drafter — model loading, handshakes,
 forwards — runs on one worker thread, in arrival order, so the event loop only moves
-bytes and the drafter needs no locks. Exceptions become status codes in `status_for`.
+bytes and the drafter needs no locks. Exceptions become status codes through `ERRORS`
+(common/grpc_errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
-import signal
 from dataclasses import dataclass, field
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.auth import TokenAuthInterceptor
+from common.grpc_errors import ErrorMapper, ErrorMappingInterceptor, ErrorTable
+from common.grpc_server import (
+    HealthReporter,
+    check_listen_config,
+    install_stop_signals,
+    listen_address,
+    server_options,
+)
 from common.kv_layout import (
     KVLayout,
     LayerSpec,
@@ -29,24 +34,25 @@ from common.kv_layout import (
     canonical_kv_dtype,
     resolve_order,
 )
+from common.layout_proto import (
+    drafter_kind_to_proto,
+    kv_dtype_from_proto,
+    kv_layout_from_proto,
+    layer_spec_to_proto,
+    order_from_proto,
+    order_to_proto,
+    orders_from_proto,
+)
 from common.pool_transport import Canary, TransportError, map_pool, read_canary
 from draft_service.drafters import Drafter, DrafterConfig, IncompatibleTargetError, TargetInfo, Update, load_drafter
 from draft_service.drafters.base import mismatch, raise_mismatches
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
-from splitspec.v1 import kv_layout_pb2 as kv_pb
-from target_service.convert import kv_layout_from_proto, layer_spec_to_proto
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "splitspec.v1.Drafter"
-HEALTH_SERVICES = ("", SERVICE_NAME)
 MiB = 1 << 20
-KIND_ENUM = {
-    "dflash": dpb.DRAFTER_KIND_DFLASH,
-    "draft_model": dpb.DRAFTER_KIND_DRAFT_MODEL,
-    "ngram": dpb.DRAFTER_KIND_NGRAM,
-}
 
 
 class InvalidArgumentError(ValueError):
@@ -65,7 +71,7 @@ class NotReadyError(RuntimeError):
     """The draft model is still loading (UNAVAILABLE)."""
 
 
-ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+ERROR_STATUS: ErrorTable = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (IncompatibleTargetError, grpc.StatusCode.FAILED_PRECONDITION),
     (LayoutNotResolvedError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -74,45 +80,10 @@ ERROR_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (HandshakeError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotReadyError, grpc.StatusCode.UNAVAILABLE),
 )
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    for exc_type, code in ERROR_STATUS:
-        if isinstance(exc, exc_type):
-            return code, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__} (see the drafter log)"
-
-
-def _rpc(method):
-    """Run the handler; map its exception to a status code."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        try:
-            return await method(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            code, details = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.error("%s failed", method.__name__, exc_info=exc)
-            else:
-                log.info("%s: %s: %s", method.__name__, code.name, details)
-            await context.abort(code, details)
-
-    return wrapper
+ERRORS = ErrorMapper(ERROR_STATUS, log, log_name="drafter", mapped_level=logging.INFO)
 
 
 # ---------------------------------------------------------------- proto → plain values
-
-
-def _order_name(value: int) -> str:
-    return kv_pb.PageOrder.Name(value).removeprefix("PAGE_ORDER_")
-
-
-def _kv_dtype_name(value: int) -> str:
-    name = kv_pb.KVDtype.Name(value).removeprefix("KV_DTYPE_").lower()
-    return "" if name == "unspecified" else name
 
 
 def target_info(facts: dpb.TargetFacts) -> TargetInfo:
@@ -122,7 +93,7 @@ def target_info(facts: dpb.TargetFacts) -> TargetInfo:
         vocab_size=facts.vocab_size,
         num_layers=facts.num_layers,
         fingerprint=facts.fingerprint,
-        kv_dtype=_kv_dtype_name(facts.kv_dtype),
+        kv_dtype=kv_dtype_from_proto(facts.kv_dtype, default=""),
         device_type=facts.device_type or "cpu",
         max_model_len=facts.max_model_len,
     )
@@ -180,18 +151,18 @@ class DrafterHost:
         self._check_cache_wishes(drafter, target)
         resolve_order(
             request.requested_order or "auto",
-            target_supported=tuple(_order_name(o) for o in request.target.supported_orders),
-            target_preferred=_order_name(request.target.preferred_order),
+            target_supported=orders_from_proto(request.target.supported_orders),
+            target_preferred=order_from_proto(request.target.preferred_order, default=""),
             drafter_supported=drafter.supported_orders(),
         )
         self.negotiated = _Negotiated(request.target_id, target)
         log.info("negotiated with target %s (%s): %s, K=%d", request.target_id, target.architecture or "?",
                  drafter.kind, drafter.num_speculative_tokens)
         return dpb.NegotiateResponse(
-            kind=KIND_ENUM[drafter.kind],
+            kind=drafter_kind_to_proto(drafter.kind),
             layers=[layer_spec_to_proto(spec) for spec in drafter.layer_specs()],
             target_layer_ids=drafter.target_layer_ids(),
-            supported_orders=[kv_pb.PageOrder.Value(f"PAGE_ORDER_{o}") for o in drafter.supported_orders()],
+            supported_orders=[order_to_proto(o) for o in drafter.supported_orders()],
             num_speculative_tokens=drafter.num_speculative_tokens,
             model_id=drafter.model_id,
         )
@@ -393,19 +364,15 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
     async def _call(self, fn, request):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, request)
 
-    @_rpc
     async def Negotiate(self, request, context):
         return await self._call(self._host.negotiate, request)
 
-    @_rpc
     async def Attach(self, request, context):
         return await self._call(self._host.attach, request)
 
-    @_rpc
     async def Propose(self, request, context):
         return await self._call(self._host.propose, request)
 
-    @_rpc
     async def Release(self, request, context):
         return await self._call(self._host.release, request)
 
@@ -425,72 +392,44 @@ class DraftServeConfig:
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("the internal token is required (KV pages hold users' prompts)")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_message_bytes <= 0:
-            raise ValueError(f"max message size must be positive, got {self.max_message_bytes}")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"shutdown grace must be >= 0, got {self.shutdown_grace_s}")
+        check_listen_config(self.port, self.max_message_bytes, self.shutdown_grace_s)
 
     @property
     def address(self) -> str:
-        if self.host.startswith("unix:"):
-            return self.host
-        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
-        return f"{host}:{self.port}"
+        return listen_address(self.host, self.port)
 
 
 @dataclass
 class RunningDrafter:
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: HealthReporter
     host: DrafterHost
     executor: concurrent.futures.ThreadPoolExecutor
     port: int
 
-    async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in HEALTH_SERVICES:
-            await self.health.set(service, status)
-
 
 async def start_server(config: DraftServeConfig) -> RunningDrafter:
     """Listen with every service registered and health NOT_SERVING; the drafter loads later."""
-    options = [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
     auth = TokenAuthInterceptor(config.token, protected=(SERVICE_NAME,))
-    server = grpc.aio.server(interceptors=[auth], options=options)
+    errors = ErrorMappingInterceptor(ERRORS, (SERVICE_NAME,))
+    server = grpc.aio.server(interceptors=[auth, errors], options=server_options(config.max_message_bytes))
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
     host = DrafterHost()
     dpb_grpc.add_DrafterServicer_to_server(DrafterServicer(host, executor), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    health = HealthReporter(server, SERVICE_NAME)
     port = server.add_insecure_port(config.address)
-    running = RunningDrafter(server, health_servicer, host, executor, port)
-    await running.set_serving(False)
+    running = RunningDrafter(server, health, host, executor, port)
+    await running.health.set_serving(False)
     await server.start()
     where = config.host if config.host.startswith("unix:") else f"{config.host}:{port}"
     log.info("splitspec-draft listening on %s", where)
     return running
 
 
-def _install_stop_signals(stop: asyncio.Event):
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for signum in signals:
-        loop.add_signal_handler(signum, stop.set)
-    return lambda: [loop.remove_signal_handler(s) for s in signals]
-
-
 async def serve(config: DraftServeConfig) -> int:
     """Run until SIGTERM/SIGINT; the process exit code."""
     stop = asyncio.Event()
-    remove_signals = _install_stop_signals(stop)
+    remove_signals = install_stop_signals(stop, log)
     running = await start_server(config)
     loop = asyncio.get_running_loop()
     try:
@@ -500,7 +439,7 @@ async def serve(config: DraftServeConfig) -> int:
         if not stop.is_set():
             drafter = load.result()
             running.host.drafter = drafter
-            await running.set_serving(True)
+            await running.health.set_serving(True)
             log.info("serving %s drafter %s (K=%d, device %s)", drafter.kind, drafter.model_id or "-",
                      drafter.num_speculative_tokens, drafter.device)
             await stopping
@@ -509,7 +448,7 @@ async def serve(config: DraftServeConfig) -> int:
         log.exception("the drafter failed to start")
         return 1
     finally:
-        await running.set_serving(False)
+        await running.health.set_serving(False)
         await running.server.stop(config.shutdown_grace_s)
         await loop.run_in_executor(running.executor, running.host.close)
         running.executor.shutdown(wait=True, cancel_futures=True)

@@ -3,58 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import re
 import sys
 
+from common.cli import HelpFormatter, add_log_level, fraction, parse_bytes, positive_int, run_service
 from common.kv_layout import CACHE_DTYPE_CHOICES, CacheConfig
-
-BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MB', '1.5gib' or a plain number of bytes."""
-    match = _SIZE.match(text)
-    unit = match and match[2].lower()
-    if match is None or unit not in BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
-    value = int(float(match[1]) * BYTE_UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows '(default: X)' unless X is None or the help already says what the default is."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="splitspec-target",
         description="Serve a Qwen3-family model over gRPC (splitspec.v1.Generation) with a paged KV cache.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     model = p.add_argument_group("model")
     model.add_argument("--model", required=True,
@@ -64,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
-    model.add_argument("--max-model-len", type=_positive_int, default=None,
+    model.add_argument("--max-model-len", type=positive_int, default=None,
                        help="prompt + completion token limit (default: from the model config)")
     model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
                        help="attention kernels (auto: the best one for the device)")
@@ -73,25 +31,25 @@ def build_parser() -> argparse.ArgumentParser:
     cache = p.add_argument_group("KV cache")
     cache.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
                        help="KV page dtype (auto: the model dtype; fp8 = fp8_e4m3)")
-    cache.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (a power of two)")
+    cache.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (a power of two)")
     cache.add_argument("--kv-layout", default="auto", choices=("auto", "NHD", "HND"),
                        help="page order (auto: the attention backend's preference)")
     budget = cache.add_mutually_exclusive_group()
     budget.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                         help="KV pool budget, e.g. 2GiB")
-    budget.add_argument("--kv-cache-memory-fraction", type=_fraction, default=0.5,
+    budget.add_argument("--kv-cache-memory-fraction", type=fraction, default=0.5,
                         help="KV pool budget as a fraction of free device memory")
-    cache.add_argument("--num-pages", type=_positive_int, default=None,
+    cache.add_argument("--num-pages", type=positive_int, default=None,
                        help="exact pool size in pages (overrides the budget)")
     cache.add_argument("--shm-dir", default="/dev/shm", help="where the CPU pool's shared-memory file lives")
 
     sched = p.add_argument_group("scheduling")
-    sched.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences in a running batch")
-    sched.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,
+    sched.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in a running batch")
+    sched.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                        help="token budget of one step (prefill is chunked to fit)")
-    sched.add_argument("--max-waiting", type=_positive_int, default=1024,
+    sched.add_argument("--max-waiting", type=positive_int, default=1024,
                        help="waiting requests before RESOURCE_EXHAUSTED")
-    sched.add_argument("--default-max-tokens", type=_positive_int, default=256,
+    sched.add_argument("--default-max-tokens", type=positive_int, default=256,
                        help="max_tokens when a request leaves it unset (capped at the model length)")
 
     spec = p.add_argument_group("speculation")
@@ -111,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-message-bytes", type=parse_bytes, default="64MiB", help="gRPC message size limit")
     srv.add_argument("--shutdown-grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get before they are aborted")
-    srv.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_log_level(srv)
     return p
 
 
@@ -163,20 +121,7 @@ def serve_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        config = serve_config(args)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
-    from target_service.server import serve
-
-    return asyncio.run(serve(config))
+    return run_service(build_parser(), serve_config, "target_service.server", argv)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from common.kv_layout import KVLayout, LayerSpec, StagingSpec
+from common.layout_proto import kv_layout_to_proto
 from splitspec.v1 import generation_pb2 as pb
-from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service.api_types import (
     EngineRequest,
     InvalidRequestError,
@@ -193,84 +192,3 @@ def _drafter_status(name: str) -> int:
     key = f"STATUS_{name.upper()}"
     statuses = pb.DrafterState.Status
     return statuses.Value(key) if key in statuses.keys() else pb.DrafterState.STATUS_UNSPECIFIED
-
-
-# ---------------------------------------------------------------- KV layout (both directions)
-
-
-def _enum_value(enum, prefix: str, name: str) -> int:
-    return enum.Value(f"{prefix}{name.upper()}")
-
-
-def _enum_name(enum, prefix: str, value: int, *, lower: bool) -> str:
-    name = enum.Name(value).removeprefix(prefix)
-    if name == "UNSPECIFIED":
-        raise ValueError(f"{enum.DESCRIPTOR.name} is unspecified")
-    return name.lower() if lower else name
-
-
-def kv_layout_to_proto(layout: KVLayout) -> kv_pb.KVLayout:
-    msg = kv_pb.KVLayout(
-        order=_enum_value(kv_pb.PageOrder, "PAGE_ORDER_", layout.order),
-        page_size=layout.page_size,
-        kv_dtype=_enum_value(kv_pb.KVDtype, "KV_DTYPE_", layout.kv_dtype),
-        num_pages=layout.num_pages,
-        layers=[layer_spec_to_proto(spec) for spec in layout.layers],
-        target_id=layout.target_id,
-        epoch=layout.epoch,
-        total_bytes=layout.total_bytes,
-    )
-    if layout.staging is not None:
-        msg.staging.CopyFrom(staging_spec_to_proto(layout.staging))
-    return msg
-
-
-def layer_spec_to_proto(spec: LayerSpec) -> kv_pb.LayerSpec:
-    return kv_pb.LayerSpec(
-        owner=_enum_value(kv_pb.LayerOwner, "LAYER_OWNER_", spec.owner),
-        index=spec.index,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        offset=spec.offset,
-        k_scale=spec.k_scale,
-        v_scale=spec.v_scale,
-    )
-
-
-def staging_spec_to_proto(spec: StagingSpec) -> kv_pb.StagingSpec:
-    dtype = _enum_value(kv_pb.KVDtype, "KV_DTYPE_", spec.dtype)
-    return kv_pb.StagingSpec(rows=spec.rows, width=spec.width, dtype=dtype, offset=spec.offset,
-                             layer_ids=list(spec.layer_ids))
-
-
-def kv_layout_from_proto(msg: kv_pb.KVLayout) -> KVLayout:
-    """The inverse of `kv_layout_to_proto`; raises ValueError for unspecified enums."""
-    return KVLayout(
-        order=_enum_name(kv_pb.PageOrder, "PAGE_ORDER_", msg.order, lower=False),
-        page_size=msg.page_size,
-        kv_dtype=_enum_name(kv_pb.KVDtype, "KV_DTYPE_", msg.kv_dtype, lower=True),
-        num_pages=msg.num_pages,
-        layers=tuple(layer_spec_from_proto(spec) for spec in msg.layers),
-        staging=staging_spec_from_proto(msg.staging) if msg.HasField("staging") else None,
-        target_id=msg.target_id,
-        epoch=msg.epoch,
-        total_bytes=msg.total_bytes,
-    )
-
-
-def layer_spec_from_proto(msg: kv_pb.LayerSpec) -> LayerSpec:
-    return LayerSpec(
-        owner=_enum_name(kv_pb.LayerOwner, "LAYER_OWNER_", msg.owner, lower=True),
-        index=msg.index,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        offset=msg.offset,
-        k_scale=msg.k_scale,
-        v_scale=msg.v_scale,
-    )
-
-
-def staging_spec_from_proto(msg: kv_pb.StagingSpec) -> StagingSpec:
-    dtype = _enum_name(kv_pb.KVDtype, "KV_DTYPE_", msg.dtype, lower=True)
-    return StagingSpec(rows=msg.rows, width=msg.width, dtype=dtype, offset=msg.offset,
-                       layer_ids=tuple(msg.layer_ids))

@@ -16,16 +16,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.auth import auth_metadata
-from common.kv_layout import ORDERS, LayerSpec
+from common.kv_layout import LayerSpec
+from common.layout_proto import drafter_kind_from_proto, layer_spec_from_proto, orders_from_proto
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
-from splitspec.v1 import kv_layout_pb2 as kv_pb
-from target_service import convert
 
 log = logging.getLogger(__name__)
-
-KIND_NAMES = {dpb.DRAFTER_KIND_DFLASH: "dflash", dpb.DRAFTER_KIND_DRAFT_MODEL: "draft_model",
-              dpb.DRAFTER_KIND_NGRAM: "ngram"}
 
 
 class LinkState(enum.Enum):
@@ -114,10 +110,10 @@ class DrafterLink:
                 raise DrafterRejected(exc.details()) from exc
             raise
         return DrafterFacts(
-            kind=KIND_NAMES.get(reply.kind, "unknown"),
-            layers=tuple(convert.layer_spec_from_proto(spec) for spec in reply.layers),
+            kind=drafter_kind_from_proto(reply.kind, default="unknown"),
+            layers=tuple(layer_spec_from_proto(spec) for spec in reply.layers),
             target_layer_ids=tuple(reply.target_layer_ids),
-            supported_orders=tuple(ORDERS[o - 1] for o in reply.supported_orders if o in (1, 2)),
+            supported_orders=orders_from_proto(reply.supported_orders),
             num_speculative_tokens=reply.num_speculative_tokens,
             model_id=reply.model_id,
         )
@@ -162,10 +158,6 @@ class DrafterLink:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
-
-
-def order_enum(order: str) -> int:
-    return kv_pb.PageOrder.Value(f"PAGE_ORDER_{order}")
 
 
 def describe_rpc_error(exc: Exception) -> str:

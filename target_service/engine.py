@@ -31,9 +31,9 @@ from common.kv_layout import (
     resolve_order,
 )
 from common.kv_pool import PagePool, remove_stale_shm_files
+from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
 from common.pool_transport import device_uuid, export_pool, write_canary
 from splitspec.v1 import drafter_pb2 as dpb
-from target_service import convert
 from common.sampling import SamplingSpec, make_generator
 from common.weights import resolve_model_path
 from target_service.api_types import (
@@ -54,7 +54,6 @@ from target_service.drafter_link import (
     DrafterLinkConfig,
     DrafterRejected,
     describe_rpc_error,
-    order_enum,
 )
 from target_service.metrics import TargetMetrics
 from target_service.model_runner import ModelRunner
@@ -334,9 +333,9 @@ class EngineCore:
         facts = dpb.TargetFacts(
             architecture=info.architecture, hidden_size=info.hidden_size, vocab_size=info.vocab_size,
             num_layers=info.num_layers, fingerprint=self.model.fingerprint(),
-            supported_orders=[order_enum(o) for o in backend_cls.supported_orders(device)],
-            preferred_order=order_enum(backend_cls.preferred_order(device)),
-            kv_dtype=convert.kv_layout_to_proto(self.layout).kv_dtype, page_size=self.layout.page_size,
+            supported_orders=[order_to_proto(o) for o in backend_cls.supported_orders(device)],
+            preferred_order=order_to_proto(backend_cls.preferred_order(device)),
+            kv_dtype=kv_dtype_to_proto(self.layout.kv_dtype), page_size=self.layout.page_size,
             max_num_seqs=self.config.max_num_seqs, max_tokens_per_step=self.config.max_num_batched_tokens,
             device_type=device.type, device_uuid=device_uuid(device), max_model_len=info.max_model_len,
         )
@@ -359,7 +358,7 @@ class EngineCore:
             self.pool.layout = dataclasses.replace(self.pool.layout, epoch=self._epoch)
             self.config.cache.resolve_layout(self.pool.layout)
             canary = write_canary(self.pool)
-            link.attach(dpb.AttachRequest(layout=convert.kv_layout_to_proto(self.pool.layout),
+            link.attach(dpb.AttachRequest(layout=kv_layout_to_proto(self.pool.layout),
                                           pool=export_pool(self.pool),
                                           canary=dpb.Canary(offset=canary.offset, value=canary.value)))
         except Exception as exc:  # rejected, unreachable, or no common layout: serve without it

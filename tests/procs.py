@@ -14,6 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.kv_pool import SHM_PREFIX, SHM_SUFFIX
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 TOKEN = "test-internal-token"
@@ -77,6 +79,11 @@ class Service:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def pool_files(shm_dir: Path) -> list[Path]:
+    """The KV pool files in `shm_dir` (a server must leave none behind)."""
+    return sorted(shm_dir.glob(f"{SHM_PREFIX}*{SHM_SUFFIX}"))
 
 
 def free_port() -> int:

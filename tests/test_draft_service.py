@@ -11,11 +11,6 @@ fed the hidden states of the target in transformers.
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import re
-import subprocess
-import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common.auth import auth_metadata
 from common.kv_layout import LAYOUT_NOT_RESOLVED, CacheConfig, LayerSpec, StagingSpec, build_layout
 from common.kv_pool import PagePool
+from common.layout_proto import kv_layout_to_proto, layer_spec_from_proto
 from common.pool_transport import export_pool, write_canary
 from draft_service.drafters import resolve_kind
 from draft_service.drafters.base import DraftSequence, Drafter, Update
@@ -36,16 +32,13 @@ from draft_service.drafters.ngram import ngram_lookup
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
-from target_service.convert import kv_layout_to_proto, layer_spec_from_proto
+from tests.procs import TOKEN, Service, pool_files
 from tests.tiny_models import PROMPTS, make_qwen3, qwen3_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(r"listening on (\S+):(\d+)")
 PAGE_SIZE = 4
 NUM_PAGES = 96
 STAGING_ROWS = 64
 K = 3  # every drafter here: --num-speculative-tokens 3, DFlash block_size 4
-TOKEN = "test-internal-token"
 RPC_TIMEOUT = 60.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
@@ -95,47 +88,10 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
 # ---------------------------------------------------------------- drafter processes
 
 
-class DrafterProcess:
-    def __init__(self, kind: str, args: list[str], log_path: Path, token_file: Path) -> None:
-        self.kind = kind
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "draft_service.cli", "--port", "0", "--internal-token-file", str(token_file),
-               "--kind", kind, "--num-speculative-tokens", str(K), *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.address = ""
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_serving(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.address:
-            if (match := LISTENING.search(self.log())) is not None:
-                self.address = f"{match[1]}:{match[2]}"
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{self.kind} drafter did not listen (exit {self.proc.poll()}):\n{self.log()}")
-            time.sleep(0.02)
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                status = stub.Check(health_pb2.HealthCheckRequest(service="splitspec.v1.Drafter"), timeout=5).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        pytest.fail(f"{self.kind} drafter never became SERVING:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_drafter(kind: str, args: list[str], log_path: Path, token_file: Path) -> Service:
+    args = ["--port", "0", "--internal-token-file", str(token_file), "--kind", kind,
+            "--num-speculative-tokens", str(K), *args]
+    return Service("draft_service.cli", args, log_path, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -146,24 +102,24 @@ def drafters(checkpoints, tmp_path_factory):
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     procs = {
-        "ngram": DrafterProcess("ngram", ["--ngram-min", "1", "--ngram-max", "3"], root / "ngram.log", token_file),
-        "draft_model": DrafterProcess(
+        "ngram": start_drafter("ngram", ["--ngram-min", "1", "--ngram-max", "3"], root / "ngram.log", token_file),
+        "draft_model": start_drafter(
             "draft_model", ["--model", str(checkpoints.draft)], root / "draft.log", token_file
         ),
-        "dflash": DrafterProcess(
+        "dflash": start_drafter(
             "dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target)],
             root / "dflash.log", token_file,
         ),
     }
     try:
         with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
-            list(pool.map(lambda p: p.wait_serving(), procs.values()))
+            list(pool.map(lambda p: p.wait_serving(timeout=120), procs.values()))
         yield procs
     finally:
         for proc in procs.values():
-            proc.stop()
-        for proc in procs.values():
-            assert proc.proc.returncode == 0, f"{proc.kind} drafter exited with {proc.proc.returncode}:\n{proc.log()}"
+            proc.stop(timeout=20)
+        for kind, proc in procs.items():
+            assert proc.proc.returncode == 0, f"{kind} drafter exited with {proc.proc.returncode}:\n{proc.log()}"
 
 
 # ---------------------------------------------------------------- the test's target
@@ -274,7 +230,7 @@ def target_for(drafters, checkpoints, tmp_path):
     yield make
     for fake in made:
         fake.close()
-    assert not list(tmp_path.glob("splitspec-*.kv")), "the test target left pool files behind"
+    assert not pool_files(tmp_path), "the test target left pool files behind"
 
 
 def rpc_error(call) -> grpc.RpcError:

@@ -27,91 +27,37 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common.grpc_errors import ErrorMappingInterceptor
 from common.kv_layout import LayerSpec, StagingSpec, build_layout
+from common.layout_proto import kv_layout_from_proto, kv_layout_to_proto
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service import convert
 from target_service.api_types import FinishReason
-from target_service.server import SERVICE_NAME, EngineSlot, ErrorMappingInterceptor
+from target_service.server import ERRORS, SERVICE_NAME, EngineSlot
+from tests.procs import REPO_ROOT, Service, pool_files
 from tests.tiny_models import PROMPTS, make_qwen3
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_PAGES = 512
 PAGE_SIZE = 16
 MODEL_LEN = 4096  # long enough that a full-length stream outlasts every timeout below
 DEFAULT_MAX_TOKENS = 24
-LISTENING = re.compile(r"listening on (\S+):(\d+)")
 DRAINED = re.compile(r"drained in ([\d.]+) s")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-POOL_GLOB = "splitspec-*.kv"
 
 
 # ---------------------------------------------------------------- server process harness
 
 
-class ServerProcess:
+def start_target(model: Path, shm_dir: Path, log_path: Path, *extra: str) -> Service:
     """A `python -m target_service.cli` child whose log goes to a file."""
-
-    def __init__(self, model: Path, shm_dir: Path, log_path: Path, *extra: str) -> None:
-        self.log_path = log_path
-        self.shm_dir = shm_dir
-        cmd = [
-            sys.executable, "-m", "target_service.cli", "--model", str(model), "--port", "0",
-            "--num-pages", str(NUM_PAGES), "--page-size", str(PAGE_SIZE), "--shm-dir", str(shm_dir),
-            "--max-num-batched-tokens", "256", *extra,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.address = ""
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_listening(self, timeout: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (match := LISTENING.search(self.log())) is not None:
-                self.address = f"{match[1]}:{match[2]}"
-                return self.address
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} before listening:\n{self.log()}")
-            time.sleep(0.01)
-        pytest.fail(f"server did not listen within {timeout} s:\n{self.log()}")
-
-    def stop(self, timeout: float) -> int:
-        """SIGTERM and wait; kills (and fails) when it takes longer than timeout."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"server did not exit within {timeout} s of SIGTERM:\n{self.log()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def wait_serving(channel: grpc.Channel, timeout: float = 120.0) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.05)
-    pytest.fail(f"server not SERVING within {timeout} s")
-
-
-def pool_files(shm_dir: Path) -> list[Path]:
-    return sorted(shm_dir.glob(POOL_GLOB))
+    args = [
+        "--model", str(model), "--port", "0", "--num-pages", str(NUM_PAGES), "--page-size", str(PAGE_SIZE),
+        "--shm-dir", str(shm_dir), "--max-num-batched-tokens", "256", *extra,
+    ]
+    return Service("target_service.cli", args, log_path)
 
 
 @pytest.fixture(scope="session")
@@ -126,11 +72,15 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-@pytest.fixture
-def shm_dir():
+def private_shm_dir() -> Path:
     """A private folder for pool files, under /dev/shm where the host has one."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
+    return Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
+
+
+@pytest.fixture
+def shm_dir():
+    path = private_shm_dir()
     yield path
     leftovers = list(path.iterdir())
     shutil.rmtree(path, ignore_errors=True)
@@ -139,15 +89,12 @@ def shm_dir():
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    shm = Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
+    shm = private_shm_dir()
     log = tmp_path_factory.mktemp("log") / "server.log"
     args = ("--shutdown-grace-s", "5", "--default-max-tokens", str(DEFAULT_MAX_TOKENS))
-    proc = ServerProcess(tiny_model, shm, log, *args)
+    proc = start_target(tiny_model, shm, log, *args)
     try:
-        proc.wait_listening()
-        with grpc.insecure_channel(proc.address) as channel:
-            wait_serving(channel)
+        proc.wait_serving()
         yield proc
         assert proc.stop(timeout=30) == 0, proc.log()
         assert not pool_files(shm), "the server left its pool file behind"
@@ -271,13 +218,13 @@ def _fill_the_queue(stub):
 def test_lifecycle_health_queue_full_and_sigterm_drain(tiny_model, shm_dir, tmp_path):
     grace = 4.0
     args = ("--shutdown-grace-s", str(grace), "--max-num-seqs", "1", "--max-waiting", "1")
-    proc = ServerProcess(tiny_model, shm_dir, tmp_path / "server.log", *args)
+    proc = start_target(tiny_model, shm_dir, tmp_path / "server.log", *args)
     try:
         with grpc.insecure_channel(proc.wait_listening()) as channel:
             watch = _observe_startup(channel, shm_dir)
             stub = pb_grpc.GenerationStub(channel)
             streams = _fill_the_queue(stub)
-            proc.proc.send_signal(signal.SIGTERM)
+            proc.signal(signal.SIGTERM)
             assert next(watch).status == NOT_SERVING  # flipped before draining
             with pytest.raises(grpc.RpcError) as err:
                 generate(stub, request(PROMPTS[0], max_tokens=2))
@@ -293,7 +240,7 @@ def test_lifecycle_health_queue_full_and_sigterm_drain(tiny_model, shm_dir, tmp_
 
 
 def test_sigterm_right_after_listening_exits_cleanly(tiny_model, shm_dir, tmp_path):
-    proc = ServerProcess(tiny_model, shm_dir, tmp_path / "server.log")
+    proc = start_target(tiny_model, shm_dir, tmp_path / "server.log")
     try:
         proc.wait_listening()
         assert proc.stop(timeout=60) == 0, proc.log()
@@ -325,7 +272,7 @@ def test_model_info(stub, tokenizer):
 def test_server_info_reports_the_pool_and_layout(stub):
     info = wait_pages_free(stub)
     assert info.num_pages == NUM_PAGES
-    layout = convert.kv_layout_from_proto(info.kv_layout)
+    layout = kv_layout_from_proto(info.kv_layout)
     assert (layout.order, layout.page_size, layout.num_pages) == ("NHD", PAGE_SIZE, NUM_PAGES)
     assert [(spec.owner, spec.index) for spec in layout.layers] == [("target", 0), ("target", 1)]
     assert layout.target_id and layout.total_bytes > 0
@@ -336,8 +283,8 @@ def test_kv_layout_round_trips_through_proto():
     layers = [LayerSpec("target", 0, 2, 16, k_scale=0.5), LayerSpec("draft", 0, 4, 64, v_scale=2.0)]
     layout = build_layout(order="HND", page_size=32, kv_dtype="fp8_e4m3", num_pages=7, layers=layers,
                           staging=StagingSpec(rows=8, width=64, dtype="bfloat16"), target_id="abc", epoch=3)
-    wire = convert.kv_layout_to_proto(layout).SerializeToString()
-    assert convert.kv_layout_from_proto(kv_pb.KVLayout.FromString(wire)) == layout
+    wire = kv_layout_to_proto(layout).SerializeToString()
+    assert kv_layout_from_proto(kv_pb.KVLayout.FromString(wire)) == layout
 
 
 def test_finish_reasons_match_the_engine_enum():
@@ -632,7 +579,7 @@ def test_unexpected_exceptions_become_internal_and_are_logged(caplog):
             raise ZeroDivisionError("secret detail")
 
     async def main() -> grpc.aio.AioRpcError:
-        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor((SERVICE_NAME,))])
+        server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(ERRORS, (SERVICE_NAME,))])
         pb_grpc.add_GenerationServicer_to_server(Failing(EngineSlot(), convert.RequestDefaults()), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

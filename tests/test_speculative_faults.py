@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import threading
@@ -46,6 +47,23 @@ def target_args(model: Path, shm_dir: Path, *extra: str) -> list[str]:
             "--page-size", "8", "--max-num-batched-tokens", "128", *extra]
 
 
+@contextlib.contextmanager
+def drafter_and_target(target_model: Path, tmp_path: Path, drafter_args: list[str], *target_extra: str):
+    """A drafter, then a target that speculates with it; yields the target's address once SERVING."""
+    drafter = Service("draft_service.cli", drafter_args, tmp_path / "drafter.log")
+    target = None
+    try:
+        drafter.wait_serving()
+        target = Service("target_service.cli",
+                         target_args(target_model, tmp_path, *target_extra, "--drafter", drafter.address),
+                         tmp_path / "target.log")
+        yield target.wait_serving()
+    finally:
+        if target:
+            target.stop()
+        drafter.kill()
+
+
 def request(prompt: str, max_tokens: int, **kw) -> pb.GenerateRequest:
     sampling = kw.pop("sampling", None)
     return pb.GenerateRequest(text=prompt, stop=pb.StopParams(max_tokens=max_tokens, ignore_eos=True),
@@ -64,15 +82,8 @@ def wait_drafter(address: str, status: int, timeout: float = 90.0):
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_both_orders_are_agreed_and_used(target_model, draft_lm, tmp_path, order):
-    drafter = Service("draft_service.cli", ["--model", str(draft_lm), "--port", "0", "--num-speculative-tokens", "4"],
-                      tmp_path / "drafter.log")
-    target = None
-    try:
-        drafter.wait_serving()
-        target = Service("target_service.cli",
-                         target_args(target_model, tmp_path, "--kv-layout", order, "--drafter", drafter.address),
-                         tmp_path / "target.log")
-        address = target.wait_serving()
+    drafter_args = ["--model", str(draft_lm), "--port", "0", "--num-speculative-tokens", "4"]
+    with drafter_and_target(target_model, tmp_path, drafter_args, "--kv-layout", order) as address:
         info = wait_drafter(address, READY)
         assert kv_pb.PageOrder.Name(info.kv_layout.order) == f"PAGE_ORDER_{order}"
         assert info.drafter.kind == "draft_model" and info.drafter.num_speculative_tokens == 4
@@ -80,30 +91,16 @@ def test_both_orders_are_agreed_and_used(target_model, draft_lm, tmp_path, order
         plain, _ = stream_tokens(address, request(PROMPTS[3], 20, disable=True))
         spec, complete = stream_tokens(address, request(PROMPTS[3], 20))
         assert spec == plain and complete.usage.accepted_tokens > 0
-    finally:
-        if target:
-            target.stop()
-        drafter.kill()
 
 
 def test_incompatible_drafter_is_refused_and_target_serves(target_model, tmp_path):
     other_vocab = make_qwen3(tmp_path / "other", tokenizer_vocab=600)
-    drafter = Service("draft_service.cli", ["--model", str(other_vocab), "--port", "0"], tmp_path / "drafter.log")
-    target = None
-    try:
-        drafter.wait_serving()
-        target = Service("target_service.cli", target_args(target_model, tmp_path, "--drafter", drafter.address),
-                         tmp_path / "target.log")
-        address = target.wait_serving()
+    with drafter_and_target(target_model, tmp_path, ["--model", str(other_vocab), "--port", "0"]) as address:
         info = wait_drafter(address, UNAVAILABLE)
         assert "FAILED_PRECONDITION" in info.drafter.detail and "vocab_size" in info.drafter.detail
         assert "512" in info.drafter.detail and "600" in info.drafter.detail
         tokens, complete = stream_tokens(address, request(PROMPTS[0], 8))
         assert len(tokens) == 8 and complete.usage.num_drafts == 0
-    finally:
-        if target:
-            target.stop()
-        drafter.kill()
 
 
 def test_drafter_sigkill_midstream_then_restart(target_model, draft_lm, tmp_path):
@@ -180,14 +177,8 @@ CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.3
 
 def test_temperature_one_keeps_the_target_distribution(target_model, draft_lm, tmp_path):
     """Speculated samples (drafts = target argmax, accepted with probability p) follow p."""
-    drafter = Service("draft_service.cli", ["--model", str(draft_lm), "--port", "0", "--num-speculative-tokens", "3"],
-                      tmp_path / "drafter.log")
-    target = None
-    try:
-        drafter.wait_serving()
-        target = Service("target_service.cli", target_args(target_model, tmp_path, "--drafter", drafter.address),
-                         tmp_path / "target.log")
-        address = target.wait_serving()
+    drafter_args = ["--model", str(draft_lm), "--port", "0", "--num-speculative-tokens", "3"]
+    with drafter_and_target(target_model, tmp_path, drafter_args) as address:
         wait_drafter(address, READY)
         n = 400
 
@@ -204,10 +195,6 @@ def test_temperature_one_keeps_the_target_distribution(target_model, draft_lm, t
             stat, dof = _two_sample_chi_square(Counter(t[position] for t, _ in plain),
                                                Counter(t[position] for t, _ in spec))
             assert dof >= 1 and stat < CHI2_CRIT[min(dof, 20)], f"position {position}: chi2 {stat:.1f}, dof {dof}"
-    finally:
-        if target:
-            target.stop()
-        drafter.kill()
 
 
 def _propose_bytes_per_sequence(tmp_path: Path, hidden_size: int) -> float:

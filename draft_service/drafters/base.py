@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.attention import TorchAttentionBackend
 from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
 
@@ -122,7 +123,8 @@ class Drafter:
     """Base of every drafter: sequence bookkeeping plus the hooks a kind implements.
 
     Subclasses set `kind`, `num_speculative_tokens` and `device`, and implement
-    `propose`; the ones with layers in the pool override `layer_specs` and `_bind`.
+    `propose`; the ones with layers in the pool derive from `PooledDrafter` and
+    override `layer_specs`.
     """
 
     kind: str = ""
@@ -216,3 +218,41 @@ class Drafter:
     def layout(self) -> KVLayout:
         """The bound layout; LayoutNotResolvedError before Attach."""
         return self.cache_config.layout
+
+
+class PooledDrafter(Drafter):
+    """A drafter with its own layers in the pool, run by `TorchAttentionBackend` on views of
+    their regions (`_kv_caches`, by draft layer index) while bound."""
+
+    # KV slots a proposal of k drafts writes past positions last .. last + k - 1
+    # (DFlash's block [last token, mask x k] writes one more than a draft LM does).
+    extra_kv_slots = 0
+
+    def __init__(self, cache_config: CacheConfig, device: torch.device | str) -> None:
+        super().__init__(cache_config, device)
+        self._backend: TorchAttentionBackend | None = None
+        self._kv_caches: dict[int, torch.Tensor] = {}
+
+    def supported_orders(self) -> tuple[str, ...]:
+        return TorchAttentionBackend.supported_orders(self.device)
+
+    def _bind(self, pool: PagePool | None, layout: KVLayout) -> None:
+        if pool is None:
+            raise ValueError(f"the {self.kind} drafter needs the KV pool")
+        self._kv_caches = {spec.index: pool.region(layout.layer("draft", spec.index)) for spec in self.layer_specs()}
+        self._backend = TorchAttentionBackend(layout)
+
+    def _unbind(self) -> None:
+        self._kv_caches = {}
+        self._backend = None
+
+    def _draft_counts(self, items: list[ProposeItem]) -> list[tuple[DraftSequence, int]]:
+        """(sequence, k) for the items that want drafts, k cut so that every KV slot the
+        proposal writes lies in the sequence's pages; those left with none are dropped."""
+        page_size = self.layout.page_size  # LayoutNotResolvedError before Attach
+        wanted = [
+            (seq, min(k, seq.capacity(page_size) - seq.last_position - self.extra_kv_slots))
+            for seq, _rows, k in items
+            if k > 0
+        ]
+        return [(seq, k) for seq, k in wanted if k > 0]

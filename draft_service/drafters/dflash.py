@@ -16,16 +16,14 @@ import itertools
 import torch
 from torch import nn
 
-from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.dflash import DFlashDraftModel, TargetHeads
-from common.kv_layout import CacheConfig, KVLayout, LayerSpec
-from common.kv_pool import PagePool
+from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from common.weights import load_config, resolve_model_path, safetensors_files
 from draft_service.drafters.base import (
     DraftSequence,
-    Drafter,
+    PooledDrafter,
     ProposeItem,
     TargetInfo,
     mismatch,
@@ -78,8 +76,9 @@ def load_target_heads(path: str, dtype: torch.dtype, device: torch.device | str)
     return heads.eval()
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(PooledDrafter):
     kind = "dflash"
+    extra_kv_slots = 1  # the block [last token, mask x k] spans positions last .. last + k
 
     def __init__(
         self,
@@ -100,8 +99,6 @@ class DFlashDrafter(Drafter):
         self.model_id = model_id
         self.vocab_size = heads.vocab_size
         self.feature_width = model.feature_width
-        self._backend: TorchAttentionBackend | None = None
-        self._kv_caches: dict[int, torch.Tensor] = {}
 
     @classmethod
     def load(
@@ -120,9 +117,6 @@ class DFlashDrafter(Drafter):
     def target_layer_ids(self) -> list[int]:
         return self.model.target_layer_ids
 
-    def supported_orders(self) -> tuple[str, ...]:
-        return TorchAttentionBackend.supported_orders(self.device)
-
     def check_target(self, target: TargetInfo) -> None:
         problems = []
         if target.vocab_size != self.heads.vocab_size:
@@ -136,25 +130,13 @@ class DFlashDrafter(Drafter):
             problems.append(mismatch("num_layers", target.num_layers, f"needs layers {self.model.target_layer_ids}"))
         raise_mismatches(problems)
 
-    def _bind(self, pool: PagePool | None, layout: KVLayout) -> None:
-        if pool is None:
-            raise ValueError("the DFlash drafter needs the KV pool")
-        self._kv_caches = {spec.index: pool.region(layout.layer("draft", spec.index)) for spec in self.layer_specs()}
-        self._backend = TorchAttentionBackend(layout)
-
-    def _unbind(self) -> None:
-        self._kv_caches = {}
-        self._backend = None
-
     # -- drafting -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
-        page_size = self.layout.page_size
         self._write_context([(seq, rows) for seq, rows, _ in items if rows is not None and rows.shape[0] > 0])
-        # Block slots p .. p + k must lie in the sequence's pages; p >= 1 context token.
-        wanted = [(seq, min(k, seq.capacity(page_size) - seq.context_len - 1)) for seq, _rows, k in items if k > 0]
-        wanted = [(seq, k) for seq, k in wanted if k > 0 and seq.num_context == seq.context_len >= 1]
+        # Block slots p .. p + k lie in the sequence's pages; p >= 1 context token.
+        wanted = [(seq, k) for seq, k in self._draft_counts(items) if seq.num_context == seq.context_len >= 1]
         drafts: dict[int, list[int]] = {}
         by_k = sorted(wanted, key=lambda item: item[1])
         for k, group in itertools.groupby(by_k, key=lambda item: item[1]):  # one forward per distinct k

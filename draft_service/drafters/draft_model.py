@@ -13,14 +13,12 @@ import dataclasses
 
 import torch
 
-from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
-from common.kv_layout import CacheConfig, KVLayout, LayerSpec
-from common.kv_pool import PagePool
+from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from draft_service.drafters.base import (
     DraftSequence,
-    Drafter,
+    PooledDrafter,
     ProposeItem,
     TargetInfo,
     mismatch,
@@ -28,7 +26,7 @@ from draft_service.drafters.base import (
 )
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(PooledDrafter):
     kind = "draft_model"
 
     def __init__(
@@ -41,8 +39,6 @@ class DraftModelDrafter(Drafter):
         self.num_speculative_tokens = num_speculative_tokens
         self.model_id = model_id
         self.vocab_size = model.vocab_size
-        self._backend: TorchAttentionBackend | None = None
-        self._kv_caches: dict[int, torch.Tensor] = {}
 
     @classmethod
     def load(cls, path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int) -> DraftModelDrafter:
@@ -53,33 +49,18 @@ class DraftModelDrafter(Drafter):
     def layer_specs(self) -> list[LayerSpec]:
         return [dataclasses.replace(spec, owner="draft") for spec in self.model.kv_layer_specs()]
 
-    def supported_orders(self) -> tuple[str, ...]:
-        return TorchAttentionBackend.supported_orders(self.device)
-
     def check_target(self, target: TargetInfo) -> None:
         problems = []
         if target.vocab_size != self.model.vocab_size:
             problems.append(mismatch("vocab_size", target.vocab_size, self.model.vocab_size))
         raise_mismatches(problems)
 
-    def _bind(self, pool: PagePool | None, layout: KVLayout) -> None:
-        if pool is None:
-            raise ValueError("the draft model needs the KV pool")
-        self._kv_caches = {spec.index: pool.region(layout.layer("draft", spec.index)) for spec in self.layer_specs()}
-        self._backend = TorchAttentionBackend(layout)
-
-    def _unbind(self) -> None:
-        self._kv_caches = {}
-        self._backend = None
-
     # -- drafting -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
-        page_size = self.layout.page_size
         # k > 0 only; the rest catch up at their next proposal (the LM needs token ids only)
-        wanted = [(seq, min(k, seq.capacity(page_size) - seq.last_position)) for seq, _rows, k in items if k > 0]
-        wanted = [(seq, k) for seq, k in wanted if k > 0]
+        wanted = self._draft_counts(items)
         if not wanted:
             return {}
         seqs = [seq for seq, _ in wanted]

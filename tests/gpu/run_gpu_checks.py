@@ -800,7 +800,7 @@ def _kv_layout_to_proto(layout):
     try:
         from common.layout_proto import kv_layout_to_proto
     except ImportError:
-        from target_service.convert import kv_layout_to_proto
+        from common.layout_proto import kv_layout_to_proto
     return kv_layout_to_proto(layout)
 
 
