@@ -797,10 +797,8 @@ def start_ngram_drafter(workdir: Path):
 
 
 def _kv_layout_to_proto(layout):
-    try:
-        from common.layout_proto import kv_layout_to_proto
-    except ImportError:
-        from common.layout_proto import kv_layout_to_proto
+    from common.layout_proto import kv_layout_to_proto
+
     return kv_layout_to_proto(layout)
 
 
