@@ -73,3 +73,11 @@ def run_service(
         parser.error(str(exc))
     serve: Callable[[object], Awaitable[int]] = importlib.import_module(server_module).serve
     return asyncio.run(serve(config))
+
+
+def add_metrics_args(group, default_port: int) -> None:
+    """--metrics-host/--metrics-port: the Prometheus endpoint beside the gRPC port."""
+    group.add_argument("--metrics-port", type=int, default=default_port,
+                       help="port of the Prometheus /metrics endpoint (0: none)")
+    group.add_argument("--metrics-host", default=None,
+                       help="interface of the metrics endpoint (default: --host; loopback for a unix: host)")

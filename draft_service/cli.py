@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli import HelpFormatter, add_log_level, parse_bytes, positive_int, run_service
+from common.cli import HelpFormatter, add_log_level, add_metrics_args, parse_bytes, positive_int, run_service
 from common.kv_layout import CACHE_DTYPE_CHOICES
 from draft_service.drafters import DTYPES, KINDS
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="file holding the shared token (default: $SPLITSPEC_INTERNAL_TOKEN)")
     srv.add_argument("--max-message-bytes", type=parse_bytes, default="64MiB", help="gRPC message size limit")
     srv.add_argument("--shutdown-grace-s", type=float, default=5.0, help="on SIGTERM, seconds in-flight calls get")
+    add_metrics_args(srv, default_port=9401)
     add_log_level(srv)
     return p
 
@@ -68,6 +69,8 @@ def serve_config(args: argparse.Namespace):
         port=args.port,
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,9 +44,11 @@ from common.layout_proto import (
     order_to_proto,
     orders_from_proto,
 )
+from common.metrics_http import metrics_host, start_metrics_server
 from common.pool_transport import Canary, TransportError, map_pool, read_canary
 from draft_service.drafters import Drafter, DrafterConfig, IncompatibleTargetError, TargetInfo, Update, load_drafter
 from draft_service.drafters.base import mismatch, raise_mismatches
+from draft_service.metrics import DrafterMetrics
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 
@@ -127,10 +130,11 @@ class _Negotiated:
 class DrafterHost:
     """The drafter plus its handshake state; every method runs on the worker thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: DrafterMetrics | None = None) -> None:
         self.drafter: Drafter | None = None
         self.negotiated: _Negotiated | None = None
         self.max_model_len = 0
+        self.metrics = metrics or DrafterMetrics()
 
     def require(self) -> Drafter:
         if self.drafter is None:
@@ -156,6 +160,8 @@ class DrafterHost:
             drafter_supported=drafter.supported_orders(),
         )
         self.negotiated = _Negotiated(request.target_id, target)
+        if not drafter.cache_config.is_layout_resolved:
+            self.metrics.set_state("negotiated")
         log.info("negotiated with target %s (%s): %s, K=%d", request.target_id, target.architecture or "?",
                  drafter.kind, drafter.num_speculative_tokens)
         return dpb.NegotiateResponse(
@@ -180,6 +186,20 @@ class DrafterHost:
     # -- Attach ----------------------------------------------------------------------------
 
     def attach(self, request: dpb.AttachRequest) -> dpb.AttachResponse:
+        try:
+            reply = self._attach(request)
+        except Exception:
+            self.metrics.attaches.labels(result="error").inc()
+            self.metrics.set_state("negotiated" if self.negotiated else "waiting")
+            self.metrics.mapped_bytes.set(0)
+            raise
+        self.metrics.attaches.labels(result="ok").inc()
+        self.metrics.set_state("attached")
+        self.metrics.mapped_bytes.set(reply.mapped_bytes)
+        self.metrics.epoch.set(reply.epoch)
+        return reply
+
+    def _attach(self, request: dpb.AttachRequest) -> dpb.AttachResponse:
         drafter = self.require()
         try:
             layout = kv_layout_from_proto(request.layout)
@@ -249,6 +269,12 @@ class DrafterHost:
     # -- Propose ---------------------------------------------------------------------------
 
     def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
+        started = time.monotonic()
+        reply = self._propose(request)
+        self.metrics.propose_latency.observe(time.monotonic() - started)
+        return reply
+
+    def _propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
         drafter = self.require()
         layout = drafter.layout  # LayoutNotResolvedError before Attach
         if (request.target_id, request.epoch) != (layout.target_id, layout.epoch):
@@ -266,6 +292,7 @@ class DrafterHost:
             seq = drafter.update(update)
             if seq is not None:
                 items.append((seq, new_rows, self._num_drafts(drafter, update, seq.last_position)))
+        self.metrics.propose_batch.observe(sum(1 for _, _, k in items if k > 0))
         try:
             drafts = drafter.propose(items)
         except Exception:
@@ -274,6 +301,7 @@ class DrafterHost:
             raise
         if drafter.device.type == "cuda":
             torch.cuda.synchronize(drafter.device)
+        self.metrics.draft_tokens.inc(sum(len(t) for t in drafts.values()))
         return dpb.ProposeResponse(drafts=[dpb.Draft(seq_id=s, token_ids=t) for s, t in drafts.items() if t])
 
     def _num_drafts(self, drafter: Drafter, update: Update, last_position: int) -> int:
@@ -388,8 +416,12 @@ class DraftServeConfig:
     port: int = 50061  # 0 → any free port (logged)
     max_message_bytes: int = 64 * MiB
     shutdown_grace_s: float = 5.0
+    metrics_host: str | None = None  # None → the gRPC host (loopback for a unix: host)
+    metrics_port: int = 9401  # 0 → no metrics endpoint
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
         if not self.token:
             raise ValueError("the internal token is required (KV pages hold users' prompts)")
         check_listen_config(self.port, self.max_message_bytes, self.shutdown_grace_s)
@@ -432,13 +464,18 @@ async def serve(config: DraftServeConfig) -> int:
     remove_signals = install_stop_signals(stop, log)
     running = await start_server(config)
     loop = asyncio.get_running_loop()
+    stop_metrics = None
     try:
+        if config.metrics_port:
+            stop_metrics = start_metrics_server(metrics_host(config.host, config.metrics_host), config.metrics_port,
+                                                running.host.metrics.registry)
         load = loop.run_in_executor(running.executor, load_drafter, config.drafter)
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait((load, stopping), return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
             drafter = load.result()
             running.host.drafter = drafter
+            running.host.metrics.set_state("waiting")
             await running.health.set_serving(True)
             log.info("serving %s drafter %s (K=%d, device %s)", drafter.kind, drafter.model_id or "-",
                      drafter.num_speculative_tokens, drafter.device)
@@ -452,5 +489,7 @@ async def serve(config: DraftServeConfig) -> int:
         await running.server.stop(config.shutdown_grace_s)
         await loop.run_in_executor(running.executor, running.host.close)
         running.executor.shutdown(wait=True, cancel_futures=True)
+        if stop_metrics is not None:
+            stop_metrics()
         remove_signals()
         log.info("stopped")

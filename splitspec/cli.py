@@ -1,4 +1,4 @@
-"""`splitspec`: the command-line client (generate, info; later up and bench)."""
+"""`splitspec`: the command-line client and tools (generate, info, health, up; later bench)."""
 
 from __future__ import annotations
 
@@ -52,11 +52,38 @@ def _add_info(sub) -> None:
     p.set_defaults(func=cmd_info)
 
 
+def _add_health(sub) -> None:
+    p = sub.add_parser("health", help="exit 0 when a service's grpc.health.v1 status is SERVING (for healthchecks)")
+    p.add_argument("address", help="host:port or unix:///path of a splitspec-target or splitspec-draft")
+    p.add_argument("--service", default="", help="health service name (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0, help="RPC deadline in seconds")
+    p.set_defaults(func=cmd_health)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return EXIT_RPC_ERROR
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_RPC_ERROR
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec", description="splitspec client and tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_info(sub)
+    _add_health(sub)
+    from splitspec import up
+
+    up.add_parser(sub)
     return parser
 
 

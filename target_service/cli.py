@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli import HelpFormatter, add_log_level, fraction, parse_bytes, positive_int, run_service
+from common.cli import HelpFormatter, add_log_level, add_metrics_args, fraction, parse_bytes, positive_int, run_service
 from common.kv_layout import CACHE_DTYPE_CHOICES, CacheConfig
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-message-bytes", type=parse_bytes, default="64MiB", help="gRPC message size limit")
     srv.add_argument("--shutdown-grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get before they are aborted")
+    add_metrics_args(srv, default_port=9400)
     add_log_level(srv)
     return p
 
@@ -115,6 +116,8 @@ def serve_config(args: argparse.Namespace):
         host=args.host,
         port=args.port,
         shutdown_grace_s=args.shutdown_grace_s,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
         max_message_bytes=args.max_message_bytes,
         defaults=RequestDefaults(max_tokens=args.default_max_tokens),
     )

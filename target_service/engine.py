@@ -319,8 +319,7 @@ class EngineCore:
         return None
 
     def _finish_output(self, tracked: _Tracked, reason: FinishReason, tokens: tuple[int, ...]) -> RequestOutput:
-        if tracked.seq.request_id != WARMUP_REQUEST_ID:
-            self.metrics.on_finished(tracked.seq, reason.name.lower(), time.monotonic())
+        self.metrics.on_finished(tracked.seq, reason.name.lower(), time.monotonic())
         text = tracked.detok.take(final=True)
         return RequestOutput(tracked.seq.request_id, tokens, text, reason, tracked.seq.usage())
 
@@ -383,9 +382,13 @@ class EngineCore:
         """One prefill and a few decodes through every code path, then free everything."""
         n = min(32, self.config.max_num_batched_tokens, self.model_info.max_model_len - 4)
         request = EngineRequest(WARMUP_REQUEST_ID, tuple([0] * max(1, n)), stop=StopParams(max_tokens=3, ignore_eos=True))
-        self.add(request)
-        while request.request_id in self._tracked:
-            self.step()
+        real, self.metrics = self.metrics, TargetMetrics()  # warmup traffic is not served traffic
+        try:
+            self.add(request)
+            while request.request_id in self._tracked:
+                self.step()
+        finally:
+            self.metrics = real
 
     def close(self) -> None:
         if self.link is not None:

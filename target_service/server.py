@@ -25,6 +25,7 @@ from common.grpc_server import (
     server_options,
 )
 from common.kv_layout import LayoutNotResolvedError
+from common.metrics_http import metrics_host, start_metrics_server
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service import convert
@@ -113,9 +114,13 @@ class ServeConfig:
     shutdown_grace_s: float = 30.0
     max_message_bytes: int = 64 * MiB
     defaults: convert.RequestDefaults = field(default_factory=convert.RequestDefaults)
+    metrics_host: str | None = None  # None → the gRPC host
+    metrics_port: int = 9400  # 0 → no metrics endpoint
 
     def __post_init__(self) -> None:
         check_listen_config(self.port, self.max_message_bytes, self.shutdown_grace_s)
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
 
     @property
     def address(self) -> str:
@@ -181,9 +186,13 @@ async def serve(config: ServeConfig, build: Callable[[EngineConfig], AsyncEngine
     stop = asyncio.Event()
     remove_signals = install_stop_signals(stop, log)
     engine = None
+    stop_metrics = None
     try:
         engine = await _build_engine(config.engine, stop, build)
         if engine is not None:
+            if config.metrics_port:
+                stop_metrics = start_metrics_server(metrics_host(config.host, config.metrics_host),
+                                                    config.metrics_port, engine.core.metrics.registry)
             await engine.start()
             running.slot.set(engine)
             await running.health.set_serving(True)
@@ -195,5 +204,7 @@ async def serve(config: ServeConfig, build: Callable[[EngineConfig], AsyncEngine
         return 1
     finally:
         await _drain(running, engine, config.shutdown_grace_s)
+        if stop_metrics is not None:
+            stop_metrics()
         remove_signals()
         log.info("stopped")

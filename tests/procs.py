@@ -27,6 +27,8 @@ class Service:
     def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSPEC_INTERNAL_TOKEN": TOKEN, **(env or {})}
+        if not any(a.startswith("--metrics-port") for a in args):
+            args = [*args, "--metrics-port=0"]  # many services at once: no fixed metrics ports
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, stdout=log,
                                          stderr=subprocess.STDOUT, env=environ)

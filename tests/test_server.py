@@ -526,6 +526,17 @@ def test_splitspec_info_prints_model_and_server(server):
     assert "Qwen3ForCausalLM" in done.stdout and f"num_pages: {NUM_PAGES}" in done.stdout
 
 
+def test_splitspec_health_is_the_compose_healthcheck(server):
+    done = subprocess.run([*_client_cmd(), "health", server.address], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
+    from tests.procs import free_port
+
+    closed = f"127.0.0.1:{free_port()}"
+    done = subprocess.run([*_client_cmd(), "health", closed, "--timeout", "1"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and "UNAVAILABLE" in done.stderr
+
+
 # ---------------------------------------------------------------- in process, before any engine
 
 
