@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to match")
     model.add_argument("--ngram-max", type=positive_int, default=4, help="longest n-gram to match")
 
+    model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
+                       help="auto: FlashInfer on CUDA when it fits the model, else torch")
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
                      help="address to listen on, or unix:///path/to.sock for a Unix domain socket")
@@ -61,6 +63,7 @@ def serve_config(args: argparse.Namespace):
         kv_cache_dtype=args.kv_cache_dtype,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        attention_backend=args.attention_backend,
     )
     return DraftServeConfig(
         drafter=drafter,

@@ -45,7 +45,7 @@ from common.layout_proto import (
     orders_from_proto,
 )
 from common.metrics_http import metrics_host, start_metrics_server
-from common.pool_transport import Canary, TransportError, map_pool, read_canary
+from common.pool_transport import Canary, TransportError, map_pool, read_canary, sync_for_handoff
 from draft_service.drafters import Drafter, DrafterConfig, IncompatibleTargetError, TargetInfo, Update, load_drafter
 from draft_service.drafters.base import mismatch, raise_mismatches
 from draft_service.metrics import DrafterMetrics
@@ -299,8 +299,7 @@ class DrafterHost:
             for seq, _, _ in items:  # their draft state is unknown now
                 drafter.forget(seq.seq_id)
             raise
-        if drafter.device.type == "cuda":
-            torch.cuda.synchronize(drafter.device)
+        sync_for_handoff(drafter.device)  # draft-page writes land before the target's next step
         self.metrics.draft_tokens.inc(sum(len(t) for t in drafts.values()))
         return dpb.ProposeResponse(drafts=[dpb.Draft(seq_id=s, token_ids=t) for s, t in drafts.items() if t])
 

@@ -22,6 +22,7 @@ import torch
 
 from common.attention import select_backend
 from common.kv_layout import (
+    KV_DTYPES,
     CacheConfig,
     KVLayout,
     StagingSpec,
@@ -32,7 +33,7 @@ from common.kv_layout import (
 )
 from common.kv_pool import PagePool, remove_stale_shm_files
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
-from common.pool_transport import device_uuid, export_pool, write_canary
+from common.pool_transport import PoolExports, check_ipc_allocator, device_uuid, write_canary
 from splitspec.v1 import drafter_pb2 as dpb
 from common.sampling import SamplingSpec, make_generator
 from common.weights import resolve_model_path
@@ -177,10 +178,12 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._next_seq_id = 0
         self._epoch = pool.layout.epoch
+        self.exports = PoolExports()  # keeps exported CUDA pools alive until the drafter moves on
         self.metrics = TargetMetrics()
         self.metrics.watch(self)
         if self.speculator is not None:
             self.speculator.metrics = self.metrics
+            self.speculator.device = runner.device
 
     @property
     def layout(self) -> KVLayout:
@@ -346,8 +349,8 @@ class EngineCore:
         link = self.link
         try:
             facts = link.negotiate(self.negotiate_request())
-            layout = plan_layout(self.config, self.model, self.runner.device, self.model_info.max_model_len,
-                                 facts, self.layout.target_id, self._epoch + 1)
+            layout = plan_layout(self.config, self.model, type(self.runner.backend), self.runner.device,
+                                 self.model_info.max_model_len, facts, self.layout.target_id, self._epoch + 1)
             if not same_regions(layout, self.layout):
                 if self.scheduler.has_work:
                     link.mark_failed("the drafter's layers are not in the KV pool; re-planning it when idle")
@@ -358,8 +361,9 @@ class EngineCore:
             self.config.cache.resolve_layout(self.pool.layout)
             canary = write_canary(self.pool)
             link.attach(dpb.AttachRequest(layout=kv_layout_to_proto(self.pool.layout),
-                                          pool=export_pool(self.pool),
+                                          pool=self.exports.export(self.pool),
                                           canary=dpb.Canary(offset=canary.offset, value=canary.value)))
+            self.exports.attached(self.layout.target_id, self._epoch)  # older exports may go now
         except Exception as exc:  # rejected, unreachable, or no common layout: serve without it
             rejected = isinstance(exc, (DrafterRejected, ValueError))
             self.metrics.handshakes.labels(result="rejected" if rejected else "error").inc()
@@ -393,6 +397,7 @@ class EngineCore:
     def close(self) -> None:
         if self.link is not None:
             self.link.close()
+        self.exports.close()
         self.pool.close()
 
 
@@ -411,11 +416,19 @@ def install_runner_pool(runner: ModelRunner, pool: PagePool, num_layers: int) ->
     runner.install_pool(type(runner.backend)(layout), kv_caches, layout.page_size, staging, capture)
 
 
-def plan_layout(config: EngineConfig, model, device: torch.device, max_model_len: int,
+def choose_backend(config: EngineConfig, model, device: torch.device) -> type:
+    """The attention backend class for this model, KV dtype and device (once, at start)."""
+    model_dtype = next(model.parameters()).dtype
+    kv_dtype = KV_DTYPES[canonical_kv_dtype(config.cache.cache_dtype, model_dtype)]
+    head_dims = tuple(sorted({spec.head_dim for spec in model.kv_layer_specs()}))
+    return select_backend(config.attention_backend, device, head_dims=head_dims, model_dtype=model_dtype,
+                          kv_dtype=kv_dtype)
+
+
+def plan_layout(config: EngineConfig, model, backend_cls: type, device: torch.device, max_model_len: int,
                 facts: DrafterFacts | None, target_id: str, epoch: int) -> KVLayout:
     """Every layer (target and draft) and the staging buffer in one pool, sized by the budget."""
     cache = config.cache
-    backend_cls = select_backend(config.attention_backend, device)
     order = resolve_order(
         cache.kv_layout,
         target_supported=backend_cls.supported_orders(device),
@@ -453,7 +466,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
 
     max_model_len = _max_model_len(config, hf_config)
     target_id = uuid.uuid4().hex[:16]
-    layout = plan_layout(config, model, device, max_model_len, None, target_id, 0)
+    backend_cls = choose_backend(config, model, device)
+    if device.type == "cuda" and config.drafter:
+        check_ipc_allocator()  # fail at start, not at the first handshake
+    layout = plan_layout(config, model, backend_cls, device, max_model_len, None, target_id, 0)
     if layout.num_pages * layout.page_size < max_model_len:
         log.warning("KV pool holds %d tokens; capping max_model_len from %d", layout.num_pages * layout.page_size,
                     max_model_len)
@@ -462,7 +478,6 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         remove_stale_shm_files(config.cache.shm_dir)
     pool = PagePool.create(layout, device, config.cache.shm_dir)
     config.cache.resolve_layout(layout)
-    backend_cls = select_backend(config.attention_backend, device)
     kv_caches = [pool.region(layout.layer("target", i)) for i in range(model.num_layers)]
     runner = ModelRunner(model, backend_cls(layout), kv_caches, layout.page_size, device)
     info = ModelInfo(

@@ -14,6 +14,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from common.pool_transport import sync_for_handoff
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import EngineRequest
 from target_service.drafter_link import DrafterLink, describe_rpc_error
@@ -31,6 +34,7 @@ class Speculator:
     max_model_len: int
     vocab_size: int
     metrics: TargetMetrics | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
 
@@ -78,6 +82,7 @@ class Speculator:
         request = dpb.ProposeRequest(target_id=self.link.target_id, epoch=self.link.epoch,
                                      sequences=list(updates.values()), released_seq_ids=self._released)
         self.reset()
+        sync_for_handoff(self.device)  # the drafter reads what this process's last step wrote
         started = time.monotonic()
         try:
             reply = self.link.propose(request)

@@ -44,6 +44,7 @@ class DrafterConfig:
     kv_cache_dtype: str = "auto"
     ngram_min: int = 1
     ngram_max: int = 4
+    attention_backend: str = "auto"  # auto | torch | flashinfer
 
     def __post_init__(self) -> None:
         if self.kind not in ("auto", *KINDS):
@@ -103,7 +104,9 @@ def load_drafter(config: DrafterConfig) -> Drafter:
     if kind == "draft_model":
         from draft_service.drafters.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter.load(config.model, cache, dtype, config.device, k or DEFAULT_NUM_SPECULATIVE_TOKENS)
+        drafter = DraftModelDrafter.load(config.model, cache, dtype, config.device,
+                                         k or DEFAULT_NUM_SPECULATIVE_TOKENS)
+        return _with_backend(drafter, config, dtype)
     if not config.target_model:
         raise ValueError("the DFlash drafter needs --target-model (it borrows the target's embedding and lm_head)")
     from draft_service.drafters.dflash import DFlashDrafter
@@ -113,4 +116,10 @@ def load_drafter(config: DrafterConfig) -> Drafter:
     if k is not None and k > limit:
         log.warning("--num-speculative-tokens %d exceeds DFlash block_size - 1; using %d", k, limit)
     drafter.num_speculative_tokens = min(k or limit, limit)
+    return _with_backend(drafter, config, dtype)
+
+
+def _with_backend(drafter, config: DrafterConfig, dtype: torch.dtype):
+    drafter.attention_backend, drafter.model_dtype = config.attention_backend, dtype
+    drafter.backend_class()  # fail at start, naming what to change, when the backend cannot serve
     return drafter

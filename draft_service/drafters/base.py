@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.attention import TorchAttentionBackend
+from common.attention import select_backend
 from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
 
@@ -221,8 +221,8 @@ class Drafter:
 
 
 class PooledDrafter(Drafter):
-    """A drafter with its own layers in the pool, run by `TorchAttentionBackend` on views of
-    their regions (`_kv_caches`, by draft layer index) while bound."""
+    """A drafter with its own layers in the pool, run by the selected attention backend on
+    views of their regions (`_kv_caches`, by draft layer index) while bound."""
 
     # KV slots a proposal of k drafts writes past positions last .. last + k - 1
     # (DFlash's block [last token, mask x k] writes one more than a draft LM does).
@@ -230,17 +230,24 @@ class PooledDrafter(Drafter):
 
     def __init__(self, cache_config: CacheConfig, device: torch.device | str) -> None:
         super().__init__(cache_config, device)
-        self._backend: TorchAttentionBackend | None = None
+        self._backend = None  # an AttentionBackend over the bound layout
         self._kv_caches: dict[int, torch.Tensor] = {}
+        self.attention_backend = "auto"  # --attention-backend
+        self.model_dtype: torch.dtype | None = None
+
+    def backend_class(self, kv_dtype: torch.dtype | None = None) -> type:
+        head_dims = tuple(sorted({spec.head_dim for spec in self.layer_specs()}))
+        return select_backend(self.attention_backend, self.device, head_dims=head_dims,
+                              model_dtype=self.model_dtype, kv_dtype=kv_dtype)
 
     def supported_orders(self) -> tuple[str, ...]:
-        return TorchAttentionBackend.supported_orders(self.device)
+        return self.backend_class().supported_orders(self.device)
 
     def _bind(self, pool: PagePool | None, layout: KVLayout) -> None:
         if pool is None:
             raise ValueError(f"the {self.kind} drafter needs the KV pool")
         self._kv_caches = {spec.index: pool.region(layout.layer("draft", spec.index)) for spec in self.layer_specs()}
-        self._backend = TorchAttentionBackend(layout)
+        self._backend = self.backend_class(layout.torch_dtype)(layout)
 
     def _unbind(self) -> None:
         self._kv_caches = {}
