@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	# the DFlash reference for parity tests; --no-deps: its pins (datasets, tqdm) serve only its CLI
 	$(BIN)/pip install --quiet --no-deps dflash==0.1.0
 	touch $@

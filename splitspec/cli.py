@@ -1,4 +1,4 @@
-"""`splitspec`: the command-line client and tools (generate, info, health, up; later bench)."""
+"""`splitspec`: the command-line client and tools (generate, info, health, up, bench)."""
 
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_info(sub)
     _add_health(sub)
-    from splitspec import up
+    from splitspec import bench, up
 
     up.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -109,6 +109,7 @@ class Usage:
     num_drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

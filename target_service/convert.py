@@ -146,6 +146,7 @@ def usage(u: Usage) -> pb.Usage:
         num_drafts=u.num_drafts,
         draft_tokens=u.draft_tokens,
         accepted_tokens=u.accepted_tokens,
+        accepted_per_position=list(u.accepted_per_position),
     )
 
 

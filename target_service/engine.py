@@ -274,9 +274,7 @@ class EngineCore:
     def _count_speculation(self, seq: Sequence, draft: list[int], emitted: list[int]) -> None:
         accepted = len(emitted) - 1
         self.metrics.on_verified(len(draft), accepted)
-        seq.spec.num_drafts += 1
-        seq.spec.draft_tokens += len(draft)
-        seq.spec.accepted_tokens += accepted
+        seq.spec.record(len(draft), accepted)
         seq.num_computed_tokens += accepted  # the accepted drafts' KV was written by the verify
 
     def _append_tokens(self, tracked: _Tracked, tokens: list[int]) -> RequestOutput | None:

@@ -20,6 +20,16 @@ class SpecStats:
     num_drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.draft_tokens += num_draft
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
 
 
 @dataclass(eq=False)
@@ -82,4 +92,5 @@ class Sequence:
             num_drafts=self.spec.num_drafts,
             draft_tokens=self.spec.draft_tokens,
             accepted_tokens=self.spec.accepted_tokens,
+            accepted_per_position=tuple(self.spec.accepted_per_position),
         )

@@ -105,7 +105,10 @@ def test_speculative_greedy_is_lossless(models, reference, drafter, kv_dtype, tm
             results = run_prompts(address, concurrency)
             for i, ((tokens, complete), ref) in enumerate(zip(results, reference[kv_dtype])):
                 assert tokens == ref, f"{kind}, {kv_dtype}, concurrency {concurrency}, prompt {i}"
-                assert complete.usage.accepted_tokens <= complete.usage.draft_tokens
+                usage = complete.usage
+                assert usage.accepted_tokens <= usage.draft_tokens
+                assert sum(usage.accepted_per_position) == usage.accepted_tokens
+                assert list(usage.accepted_per_position) == sorted(usage.accepted_per_position, reverse=True)
             drafted = sum(c.usage.draft_tokens for _, c in results)
             assert drafted > 0, f"{kind}: nothing was speculated\n{target.log()}"
             if kind == "draft_model":  # the draft LM is the target itself

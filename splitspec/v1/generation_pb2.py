@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import kv_layout_pb2 as splitspec_dot_v1_dot_kv__layout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsplitspec/v1/generation.proto\x12\x0csplitspec.v1\x1a\x1csplitspec/v1/kv_layout.proto\"\xa5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12&\n\x04stop\x18\x06 \x01(\x0b\x32\x18.splitspec.v1.StopParams\x12\x34\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1f.splitspec.v1.SpeculationParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"y\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"n\n\nStopParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"D\n\x11SpeculationParams\x12\x0f\n\x07\x64isable\x18\x01 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\"\x80\x01\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.splitspec.v1.ChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.CompleteH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\tB\x06\n\x04kind\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"a\n\x08\x43omplete\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\"|\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xad\x01\n\nServerInfo\x12)\n\tkv_layout\x18\x01 \x01(\x0b\x32\x16.splitspec.v1.KVLayout\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12+\n\x07\x64rafter\x18\x06 \x01(\x0b\x32\x1a.splitspec.v1.DrafterState\"\x93\x02\n\x0c\x44rafterState\x12\x31\n\x06status\x18\x01 \x01(\x0e\x32!.splitspec.v1.DrafterState.Status\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"r\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_NONE\x10\x01\x12\x15\n\x11STATUS_CONNECTING\x10\x02\x12\x10\n\x0cSTATUS_READY\x10\x03\x12\x16\n\x12STATUS_UNAVAILABLE\x10\x04*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_MODEL_LENGTH\x10\x04\x32\xb6\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.splitspec.v1.AbortRequest\x1a\x1b.splitspec.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.splitspec.v1.GetModelInfoRequest\x1a\x17.splitspec.v1.ModelInfo\x12M\n\rGetServerInfo\x12\".splitspec.v1.GetServerInfoRequest\x1a\x18.splitspec.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsplitspec/v1/generation.proto\x12\x0csplitspec.v1\x1a\x1csplitspec/v1/kv_layout.proto\"\xa5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12&\n\x04stop\x18\x06 \x01(\x0b\x32\x18.splitspec.v1.StopParams\x12\x34\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1f.splitspec.v1.SpeculationParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"y\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"n\n\nStopParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"D\n\x11SpeculationParams\x12\x0f\n\x07\x64isable\x18\x01 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\"\x80\x01\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.splitspec.v1.ChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.CompleteH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\tB\x06\n\x04kind\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"a\n\x08\x43omplete\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\"\x9b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xad\x01\n\nServerInfo\x12)\n\tkv_layout\x18\x01 \x01(\x0b\x32\x16.splitspec.v1.KVLayout\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12+\n\x07\x64rafter\x18\x06 \x01(\x0b\x32\x1a.splitspec.v1.DrafterState\"\x93\x02\n\x0c\x44rafterState\x12\x31\n\x06status\x18\x01 \x01(\x0e\x32!.splitspec.v1.DrafterState.Status\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"r\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTATUS_NONE\x10\x01\x12\x15\n\x11STATUS_CONNECTING\x10\x02\x12\x10\n\x0cSTATUS_READY\x10\x03\x12\x16\n\x12STATUS_UNAVAILABLE\x10\x04*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1e\n\x1a\x46INISH_REASON_MODEL_LENGTH\x10\x04\x32\xb6\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.splitspec.v1.AbortRequest\x1a\x1b.splitspec.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.splitspec.v1.GetModelInfoRequest\x1a\x17.splitspec.v1.ModelInfo\x12M\n\rGetServerInfo\x12\".splitspec.v1.GetServerInfoRequest\x1a\x18.splitspec.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2005
-  _globals['_FINISHREASON']._serialized_end=2157
+  _globals['_FINISHREASON']._serialized_start=2037
+  _globals['_FINISHREASON']._serialized_end=2189
   _globals['_GENERATEREQUEST']._serialized_start=78
   _globals['_GENERATEREQUEST']._serialized_end=371
   _globals['_TOKENIDS']._serialized_start=373
@@ -54,24 +54,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_end=1032
   _globals['_COMPLETE']._serialized_start=1034
   _globals['_COMPLETE']._serialized_end=1131
-  _globals['_USAGE']._serialized_start=1133
-  _globals['_USAGE']._serialized_end=1257
-  _globals['_ABORTREQUEST']._serialized_start=1259
-  _globals['_ABORTREQUEST']._serialized_end=1293
-  _globals['_ABORTRESPONSE']._serialized_start=1295
-  _globals['_ABORTRESPONSE']._serialized_end=1325
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1327
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1348
-  _globals['_MODELINFO']._serialized_start=1351
-  _globals['_MODELINFO']._serialized_end=1524
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1526
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1548
-  _globals['_SERVERINFO']._serialized_start=1551
-  _globals['_SERVERINFO']._serialized_end=1724
-  _globals['_DRAFTERSTATE']._serialized_start=1727
-  _globals['_DRAFTERSTATE']._serialized_end=2002
-  _globals['_DRAFTERSTATE_STATUS']._serialized_start=1888
-  _globals['_DRAFTERSTATE_STATUS']._serialized_end=2002
-  _globals['_GENERATION']._serialized_start=2160
-  _globals['_GENERATION']._serialized_end=2470
+  _globals['_USAGE']._serialized_start=1134
+  _globals['_USAGE']._serialized_end=1289
+  _globals['_ABORTREQUEST']._serialized_start=1291
+  _globals['_ABORTREQUEST']._serialized_end=1325
+  _globals['_ABORTRESPONSE']._serialized_start=1327
+  _globals['_ABORTRESPONSE']._serialized_end=1357
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1359
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1380
+  _globals['_MODELINFO']._serialized_start=1383
+  _globals['_MODELINFO']._serialized_end=1556
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1558
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1580
+  _globals['_SERVERINFO']._serialized_start=1583
+  _globals['_SERVERINFO']._serialized_end=1756
+  _globals['_DRAFTERSTATE']._serialized_start=1759
+  _globals['_DRAFTERSTATE']._serialized_end=2034
+  _globals['_DRAFTERSTATE_STATUS']._serialized_start=1920
+  _globals['_DRAFTERSTATE_STATUS']._serialized_end=2034
+  _globals['_GENERATION']._serialized_start=2192
+  _globals['_GENERATION']._serialized_end=2502
 # @@protoc_insertion_point(module_scope)
