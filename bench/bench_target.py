@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.kv_layout import CacheConfig  # noqa: E402
-from target_service.api_types import EngineRequest, StopParams  # noqa: E402
 from target_service.engine import EngineConfig, build_engine_core  # noqa: E402
+from bench.compare import run_engine  # noqa: E402
 from tests.tiny_models import PROMPTS, make_qwen3  # noqa: E402
 
 
@@ -44,20 +44,8 @@ def bench_transformers(model_dir: Path, prompts: list[list[int]], new_tokens: in
 
 def bench_engine(core, prompts: list[list[int]], new_tokens: int, concurrency: int) -> float:
     """Aggregate output tokens/s with `concurrency` requests in flight at all times."""
-    pending = list(enumerate(prompts))
-    in_flight: set[str] = set()
-    generated, start = 0, time.perf_counter()
-    while pending or in_flight:
-        while pending and len(in_flight) < concurrency:
-            i, ids = pending.pop(0)
-            rid = f"c{concurrency}-{i}"
-            core.add(EngineRequest(rid, tuple(ids), stop=StopParams(max_tokens=new_tokens, ignore_eos=True)))
-            in_flight.add(rid)
-        for out in core.step():
-            generated += len(out.token_ids)
-            if out.finish_reason is not None:
-                in_flight.discard(out.request_id)
-    return generated / (time.perf_counter() - start)
+    tokens, seconds, *_ = run_engine(core, prompts, new_tokens, concurrency)
+    return tokens / seconds
 
 
 def main() -> None:

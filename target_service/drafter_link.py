@@ -40,7 +40,7 @@ class DrafterLinkConfig:
     address: str
     token: str
     propose_timeout_s: float = 1.0  # the per-step deadline
-    handshake_timeout_s: float = 10.0
+    handshake_timeout_s: float = 10.0  # the first handshake, at startup
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     max_message_bytes: int = 64 * 2**20
@@ -73,16 +73,21 @@ class DrafterLink:
     target_id: str = ""
     detail: str = ""
     rejected: bool = False  # the last handshake was refused as incompatible
+    serving: bool = False  # set once the engine serves: handshakes then get short deadlines
     num_proposes: int = 0
     propose_sequences: int = 0  # sequence updates sent, summed over Proposes
     propose_bytes: int = 0  # serialized request bytes, summed over Proposes
     _next_attempt: float = 0.0
     _backoff: float = 0.0
     _channel: grpc.Channel | None = field(default=None, repr=False)
+    # Anything with the DrafterStub methods; a gRPC stub unless one is given (benchmarks
+    # pass an in-process stub to measure what the split itself costs).
     _stub: dpb_grpc.DrafterStub | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._backoff = self.config.backoff_initial_s
+        if self._stub is not None:
+            return
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
                    ("grpc.max_receive_message_length", self.config.max_message_bytes)]
         self._channel = grpc.insecure_channel(self.config.address, options=options)
@@ -102,9 +107,19 @@ class DrafterLink:
     def seconds_until_retry(self) -> float:
         return max(0.0, self._next_attempt - time.monotonic())
 
+    @property
+    def handshake_timeout_s(self) -> float:
+        """Deadline of each handshake RPC. Once serving, a retry runs on the engine thread
+        between steps, so it gets about one Propose deadline (at least 1 s), not the startup
+        wait: a hung drafter (SIGSTOP, a wedged process) then costs a retry no more than a
+        failed step, instead of stalling every stream for the full handshake timeout."""
+        if not self.serving:
+            return self.config.handshake_timeout_s
+        return min(self.config.handshake_timeout_s, max(1.0, self.config.propose_timeout_s))
+
     def negotiate(self, request: dpb.NegotiateRequest) -> DrafterFacts:
         try:
-            reply = self._stub.Negotiate(request, timeout=self.config.handshake_timeout_s, metadata=self.metadata)
+            reply = self._stub.Negotiate(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise DrafterRejected(exc.details()) from exc
@@ -119,7 +134,19 @@ class DrafterLink:
         )
 
     def attach(self, request: dpb.AttachRequest) -> None:
-        self._stub.Attach(request, timeout=self.config.handshake_timeout_s, metadata=self.metadata)
+        self._stub.Attach(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
+
+    def detach(self) -> None:
+        """Best effort, on shutdown: the drafter forgets this target and unmaps its pool now
+        (else the pool's memory stays mapped there until another target negotiates)."""
+        if not self.ready:
+            return
+        request = dpb.ReleaseRequest(target_id=self.target_id, epoch=self.epoch, detach=True)
+        try:
+            self._stub.Release(request, timeout=min(1.0, self.config.handshake_timeout_s), metadata=self.metadata)
+        except grpc.RpcError as exc:
+            log.info("drafter %s did not take the detach: %s", self.config.address, describe_rpc_error(exc))
+        self.state = LinkState.UNAVAILABLE
 
     def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
         self.num_proposes += 1

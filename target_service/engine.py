@@ -394,6 +394,7 @@ class EngineCore:
 
     def close(self) -> None:
         if self.link is not None:
+            self.link.detach()
             self.link.close()
         self.exports.close()
         self.pool.close()
@@ -446,8 +447,10 @@ def plan_layout(config: EngineConfig, model, backend_cls: type, device: torch.de
                         layers=specs, staging=staging, target_id=target_id, epoch=epoch)
 
 
-def build_engine_core(config: EngineConfig) -> EngineCore:
-    """Load the model, negotiate with the drafter, resolve the layout, allocate the pool."""
+def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
+    """Load the model, negotiate with the drafter, resolve the layout, allocate the pool.
+
+    `drafter_stub` replaces the gRPC stub to `config.drafter` (an in-process drafter)."""
     from transformers import AutoTokenizer
 
     from common.qwen3 import Qwen3ForCausalLM
@@ -491,10 +494,11 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     link = None
     if config.drafter:
         link = DrafterLink(DrafterLinkConfig(config.drafter, config.internal_token or "",
-                                             propose_timeout_s=config.drafter_timeout_s))
+                                             propose_timeout_s=config.drafter_timeout_s), _stub=drafter_stub)
     core = EngineCore(config, model, tokenizer, runner, pool, info, link)
     if link is not None:
         _first_handshake(core, config.drafter_startup_wait_s)
+        link.serving = True  # from now on a handshake must not stall the streams for long
     log.info("target ready: %s, %s KV, %s pages of %d tokens, order %s, drafter %s", info.architecture,
              core.layout.kv_dtype, core.layout.num_pages, core.layout.page_size, core.layout.order,
              link.describe() if link else "none")
@@ -560,7 +564,7 @@ class AsyncEngine:
         self._streams[request.request_id] = queue
         self._pending_adds.append(request)
         self._notify()
-        return self._stream(request.request_id, queue)
+        return RequestStream(self, request.request_id, queue)
 
     def _check_admission(self, request: EngineRequest) -> None:
         if not self._admitting or self._loop_task is None:
@@ -571,19 +575,10 @@ class AsyncEngine:
         if self._core.num_waiting + len(self._pending_adds) >= self._core.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self._core.config.max_waiting} requests)")
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
-            self._streams.pop(request_id, None)
+    def _close_stream(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self.abort(request_id)
+        self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self._streams:
@@ -686,6 +681,47 @@ class AsyncEngine:
                 pass
         self._executor.shutdown(wait=True)
         self._core.close()
+
+
+class RequestStream:
+    """The outputs of one admitted request, as an async iterator.
+
+    Closing it before the last output aborts the request (its pages are free at the next
+    step), whether or not it was ever iterated: a handler cancelled between admission and
+    its first read (a client cancel, a deadline, a failed metadata write) must not leave
+    the request running with nobody reading it. An async generator cannot promise that:
+    `aclose()` on one that never started skips its `finally`.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self._engine = engine
+        self._request_id = request_id
+        self._queue = queue
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed or self._finished:
+            await self.aclose()
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        self._finished = item.finish_reason is not None
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine._close_stream(self._request_id, self._finished)
 
 
 def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:

@@ -1,0 +1,308 @@
+"""Side by side on the same demo models and held-out prompts, in one invocation:
+
+  1. transformers `generate` (target only)
+  2. transformers assisted generation with the draft_model drafter (`assistant_model`)
+  3. the `dflash` package's `dflash_generate`
+  4. splitspec, target only
+  5. splitspec + ngram            (drafter in a second process, over gRPC)
+  6. splitspec + draft_model      (drafter in a second process, over gRPC)
+  7. splitspec + dflash           (drafter in a second process, over gRPC)
+  8. splitspec + dflash, one process (the drafter called directly: 7 vs 8 is the split's cost)
+
+Rows 4-8 drive the engine in this process (no client RPC), so every row measures
+decoding, not the client. Usage:
+  python bench/compare.py [--models demo] [--prompts 8] [--new-tokens 64] [--write-readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.kv_layout import CacheConfig  # noqa: E402
+from draft_service.drafters import DrafterConfig  # noqa: E402
+from draft_service.local import LocalDrafterStub  # noqa: E402
+from splitspec.heldout import held_out_prompts  # noqa: E402
+from target_service.api_types import EngineRequest, SpeculationParams, StopParams  # noqa: E402
+from target_service.engine import EngineConfig, EngineCore, build_engine_core  # noqa: E402
+
+README_BEGIN = "<!-- compare:begin -->"
+README_END = "<!-- compare:end -->"
+
+
+@dataclass
+class Result:
+    row: int
+    name: str
+    concurrency: int
+    tokens: int
+    seconds: float
+    steps: int = 0  # target forwards (engine rows)
+    drafts: int = 0
+    accepted: int = 0
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def step_ms(self) -> float | None:
+        return 1e3 * self.seconds / self.steps if self.steps else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return 1 + self.accepted / self.drafts if self.drafts else None
+
+
+# ---------------------------------------------------------------- reference implementations
+
+
+def run_transformers(target, prompts: list[list[int]], new_tokens: int, concurrency: int, pad_id: int) -> float:
+    """Greedy `generate`; batches of `concurrency` left-padded prompts."""
+    start = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        batch = prompts[i : i + concurrency]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                        do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - start
+
+
+def run_assisted(target, draft, prompts: list[list[int]], new_tokens: int) -> float:
+    start = time.perf_counter()
+    for p in prompts:  # assisted generation is batch 1 only
+        target.generate(torch.tensor([p]), assistant_model=draft, max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False)
+    return time.perf_counter() - start
+
+
+def run_dflash_generate(target, dflash, prompts: list[list[int]], new_tokens: int) -> float:
+    from dflash.model import dflash_generate
+
+    start = time.perf_counter()
+    for p in prompts:  # batch 1 only
+        dflash_generate(dflash, target, torch.tensor([p]), max_new_tokens=new_tokens, stop_token_ids=None)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- splitspec rows
+
+
+def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, concurrency: int,
+               speculate: bool = True) -> tuple[int, float, int, int, int]:
+    """Keep `concurrency` requests in flight; (tokens, seconds, steps, drafts, accepted)."""
+    pending = list(enumerate(prompts))
+    in_flight: set[str] = set()
+    tokens = steps = drafts = accepted = 0
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            i, ids = pending.pop(0)
+            rid = f"c{concurrency}-{i}-{time.monotonic_ns()}"
+            core.add(EngineRequest(rid, tuple(ids), stop=StopParams(max_tokens=new_tokens, ignore_eos=True),
+                                   speculation=SpeculationParams(disable=not speculate)))
+            in_flight.add(rid)
+        steps += 1
+        for out in core.step():
+            tokens += len(out.token_ids)
+            if out.finish_reason is not None:
+                in_flight.discard(out.request_id)
+                drafts += out.usage.num_drafts
+                accepted += out.usage.accepted_tokens
+    return tokens, time.perf_counter() - start, steps, drafts, accepted
+
+
+class DrafterProcess:
+    def __init__(self, kind: str, models: Path, token: str, log: Path) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        model = {"ngram": [], "draft_model": ["--model", str(models / "draft_model")],
+                 "dflash": ["--model", str(models / "dflash")]}[kind]
+        cmd = [sys.executable, "-m", "draft_service.cli", "--kind", kind, *model, "--target-model",
+               str(models / "target"), "--port", str(port), "--metrics-port", "0", "--log-level", "warning"]
+        env = {**os.environ, "SPLITSPEC_INTERNAL_TOKEN": token}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None, token: str | None = None):
+    return EngineConfig(model=str(models / "target"), cache=CacheConfig(shm_dir=shm_dir), max_num_seqs=16,
+                        drafter=drafter, internal_token=token, num_speculative_tokens=k,
+                        drafter_timeout_s=60.0, drafter_startup_wait_s=300.0)
+
+
+def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
+                   tmp: str) -> list[Result]:
+    results = []
+    token = secrets.token_hex(16)
+    core = build_engine_core(engine_config(models, tmp, k))
+    core.warmup()
+    for c in (*levels, 16):
+        n, s, steps, _, _ = run_engine(core, prompts * (2 if c == 16 else 1), new_tokens, c)
+        results.append(Result(4, "splitspec, target only", c, n, s, steps))
+    core.close()
+    for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
+        drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log")
+        try:
+            core = build_engine_core(engine_config(models, tmp, k, drafter.address, token))
+            if not core.link.ready:
+                raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
+            core.warmup()
+            for c in levels:
+                n, s, steps, d, a = run_engine(core, prompts, new_tokens, c)
+                results.append(Result(row, f"splitspec + {kind} (2 processes)", c, n, s, steps, d, a))
+            core.close()
+        finally:
+            drafter.stop()
+    local = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(models / "dflash"),
+                                           target_model=str(models / "target")))
+    core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused"), drafter_stub=local)
+    core.warmup()
+    for c in levels:
+        n, s, steps, d, a = run_engine(core, prompts, new_tokens, c)
+        results.append(Result(8, "splitspec + dflash (1 process)", c, n, s, steps, d, a))
+    core.close()
+    return results
+
+
+def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...],
+                   tokenizer) -> list[Result]:
+    from dflash.model import DFlashDraftModel
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(models / "target", dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(models / "draft_model", dtype=torch.float32).eval()
+    dflash = DFlashDraftModel.from_pretrained(models / "dflash", dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    results = []
+    total = len(prompts) * new_tokens
+    with torch.inference_mode():
+        for c in levels:
+            results.append(Result(1, "transformers generate", c, total,
+                                  run_transformers(target, prompts, new_tokens, c, pad),
+                                  note="" if c == 1 else "left-padded batches"))
+            results.append(Result(2, "transformers assisted (draft_model)", c, total,
+                                  run_assisted(target, draft, prompts, new_tokens), note="batch 1 only"))
+            results.append(Result(3, "dflash_generate", c, total,
+                                  run_dflash_generate(target, dflash, prompts, new_tokens), note="batch 1 only"))
+    return results
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(results: list[Result], args: argparse.Namespace) -> str:
+    base = {(r.row, r.concurrency): r.tokens_per_s for r in results}
+    lines = [
+        f"Measured {date.today()} on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k}.",
+        "",
+        "| # | run | concurrency | tok/s | vs 1 | vs 4 | accept len | step ms | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(results, key=lambda r: (r.concurrency, r.row)):
+        one, four = base.get((1, r.concurrency)), base.get((4, r.concurrency))
+        lines.append(f"| {r.row} | {r.name} | {r.concurrency} | {r.tokens_per_s:.1f} | {_ratio(r.tokens_per_s, one)} "
+                     f"| {_ratio(r.tokens_per_s, four)} | {_fmt(r.acceptance_length, '.2f')} "
+                     f"| {_fmt(r.step_ms, '.1f')} | {r.note} |")
+    lines += ["", *targets(results)]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}" if base else "-"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def targets(results: list[Result]) -> list[str]:
+    by = {(r.row, r.concurrency): r for r in results}
+    out = ["Targets:"]
+
+    def check(label: str, value: float | None, goal: float, higher: bool = True) -> None:
+        if value is None:
+            out.append(f"- {label}: not measured")
+            return
+        met = value >= goal if higher else value <= goal
+        out.append(f"- {label}: {value:.2f} ({'met' if met else 'MISSED'}; goal {'≥' if higher else '≤'} {goal})")
+
+    r = lambda row, c=1: by.get((row, c))  # noqa: E731
+    if r(7) and r(4):
+        check("row 7 / row 4 tokens/s at concurrency 1", r(7).tokens_per_s / r(4).tokens_per_s, 2.5)
+    if r(7) and r(8):
+        check("row 7 / row 8 step time at concurrency 1", r(7).step_ms / r(8).step_ms, 1.05, higher=False)
+    if r(7) and r(2):
+        check("row 7 / row 2 tokens/s at concurrency 1", r(7).tokens_per_s / r(2).tokens_per_s, 3.0)
+    if r(4, 16) and r(4):
+        check("row 4 tokens/s at concurrency 16 / concurrency 1", r(4, 16).tokens_per_s / r(4).tokens_per_s, 6.0)
+    return out
+
+
+def write_readme(text: str, command: str) -> None:
+    readme = REPO / "README.md"
+    content = readme.read_text()
+    block = f"{README_BEGIN}\n`{command}`\n\n{text}{README_END}"
+    if README_BEGIN in content:
+        head, rest = content.split(README_BEGIN, 1)
+        content = head + block + rest.split(README_END, 1)[1]
+    else:
+        content += f"\n{block}\n"
+    readme.write_text(content)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=Path, default=REPO / "demo", help="folder with target/, draft_model/, dflash/")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=8, help="draft tokens per step")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--write-readme", action="store_true", help="replace the table in README.md")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
+    prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts)]
+    levels = tuple(int(c) for c in args.concurrency.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        results = reference_rows(args.models, prompts, args.new_tokens, levels, tokenizer)
+        results += splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, tmp)
+    text = table(results, args)
+    print(text)
+    if args.write_readme:
+        command = "python bench/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_readme(text, command.replace(" --write-readme", "").strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The comparison script runs end to end (tiny models, few tokens): it cannot rot silently."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from bench import compare
+from tests.test_dflash_parity import TARGET_LAYERS, make_reference_dflash
+from tests.tiny_models import make_qwen3
+
+pytestmark = pytest.mark.slow
+
+
+def test_compare_runs_every_row(tmp_path, capsys):
+    models = tmp_path / "models"
+    target = make_qwen3(models / "target", num_hidden_layers=TARGET_LAYERS)
+    shutil.copytree(target, models / "draft_model")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    make_reference_dflash(models / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    assert compare.main(["--models", str(models), "--prompts", "2", "--new-tokens", "6", "--concurrency", "1",
+                         "--k", "4"]) == 0
+    out = capsys.readouterr().out
+    for row in range(1, 9):
+        assert f"\n| {row} | " in out
+    assert "row 7 / row 8 step time" in out and "Targets:" in out
