@@ -3,10 +3,16 @@
 On the CPU the storage is a 0600 file under /dev/shm (named after the target id, so a
 drafter can map it and a restarted target can remove stale ones); on CUDA it is one
 device allocation. Layers get views of it; nothing else allocates KV memory.
+
+A pool file is stale when its owner is dead: the pid in its name is gone *and* nobody
+holds the exclusive `flock` its owner takes at creation and keeps until it exits (the
+kernel drops it on SIGKILL too). The lock covers what the pid cannot: targets in other
+pid namespaces sharing one /dev/shm (containers with `ipc: host` but their own pids).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -38,12 +44,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _owner_holds_lock(path: Path) -> bool:
+    """True while some process holds the pool file's lock (or the file cannot be checked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # not ours to judge (another user's file)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the lock we may have taken
+    return False
+
+
 def remove_stale_shm_files(shm_dir: str | Path) -> list[Path]:
     """Remove pool files whose owning target process is gone; leave everything else."""
     removed = []
     for path in Path(shm_dir).glob(f"{SHM_PREFIX}*{SHM_SUFFIX}"):
         match = _SHM_NAME.match(path.name)
-        if match is None or _pid_alive(int(match["pid"])):
+        if match is None or _pid_alive(int(match["pid"])) or _owner_holds_lock(path):
             continue
         try:
             path.unlink()
@@ -55,13 +78,17 @@ def remove_stale_shm_files(shm_dir: str | Path) -> list[Path]:
     return removed
 
 
-def _create_shm_storage(path: Path, nbytes: int) -> torch.UntypedStorage:
+def _create_shm_storage(path: Path, nbytes: int) -> tuple[torch.UntypedStorage, int]:
+    """The mapped storage and the open, exclusively locked fd that marks the file as owned."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, nbytes)
-    finally:
+        return torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes), fd
+    except BaseException:
         os.close(fd)
-    return torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
+        path.unlink(missing_ok=True)
+        raise
 
 
 @dataclass
@@ -72,6 +99,7 @@ class PagePool:
     storage: torch.UntypedStorage
     device: torch.device
     path: Path | None = None  # the shm file, on the CPU
+    lock_fd: int | None = field(default=None, repr=False)  # held while the file is ours (see above)
     _bytes: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,9 +111,9 @@ class PagePool:
     def create(cls, layout: KVLayout, device: torch.device, shm_dir: str | Path = "/dev/shm") -> PagePool:
         if device.type == "cpu":
             path = Path(shm_dir) / shm_file_name(layout.target_id, layout.epoch)
-            storage = _create_shm_storage(path, layout.total_bytes)
+            storage, lock_fd = _create_shm_storage(path, layout.total_bytes)
             log.info("KV pool: %d pages, %.1f MiB in %s", layout.num_pages, layout.total_bytes / 2**20, path)
-            return cls(layout, storage, device, path)
+            return cls(layout, storage, device, path, lock_fd)
         # A plain device allocation: the caching allocator hands out cudaMalloc memory
         # (expandable segments must be off for CUDA IPC; checked by the IPC transport).
         # zeroed: masked attention slots must never hold NaN bit patterns
@@ -128,3 +156,6 @@ class PagePool:
             except FileNotFoundError:
                 pass
             self.path = None
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None

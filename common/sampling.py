@@ -11,6 +11,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this decode greedily (as vLLM's _SAMPLING_EPS): the distribution is
+# the argmax anyway, and logits / 1e-40 overflow float32 into inf - inf = NaN probabilities.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     temperature: float = 0.0
@@ -19,7 +24,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def sampling_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:

@@ -151,6 +151,7 @@ class DrafterHost:
         if drafter.cache_config.is_layout_resolved and drafter.layout.target_id != request.target_id:
             log.info("target %s replaces %s: dropping the old mapping", request.target_id, drafter.layout.target_id)
             drafter.unbind()
+            self.metrics.mapped_bytes.set(0)
         drafter.check_target(target)
         self._check_cache_wishes(drafter, target)
         resolve_order(
@@ -370,6 +371,13 @@ class DrafterHost:
         layout = drafter.layout
         if (request.target_id, request.epoch) != (layout.target_id, layout.epoch):
             return dpb.ReleaseResponse()  # that epoch's sequences are gone already
+        if request.detach:  # the target is shutting down: let its pool's memory go now
+            log.info("target %s detached (epoch %d): unmapping its pool", layout.target_id, layout.epoch)
+            drafter.unbind()
+            self.negotiated = None
+            self.metrics.set_state("waiting")
+            self.metrics.mapped_bytes.set(0)
+            return dpb.ReleaseResponse()
         if not request.seq_ids:
             drafter.forget_all()
         for seq_id in request.seq_ids:

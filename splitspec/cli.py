@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -25,6 +26,23 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=_default_target(),
                    help=f"host:port or unix:PATH (default: ${DEFAULT_TARGET_ENV} or %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="RPC deadline in seconds (default: none)")
+    _add_tls_ca(p)
+
+
+def _add_tls_ca(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="connect over TLS, trusting the CA certificates in PEM (a target run with --tls-cert)")
+
+
+def open_channel(address: str, tls_ca: str | None = None) -> grpc.Channel:
+    """A plaintext channel, or a TLS one that trusts the CA bundle in the `tls_ca` file."""
+    if tls_ca is None:
+        return grpc.insecure_channel(address)
+    try:
+        roots = Path(tls_ca).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read --tls-ca {tls_ca}: {exc.strerror or exc}") from exc
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots))
 
 
 def _add_generate(sub) -> None:
@@ -57,13 +75,14 @@ def _add_health(sub) -> None:
     p.add_argument("address", help="host:port or unix:///path of a splitspec-target or splitspec-draft")
     p.add_argument("--service", default="", help="health service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="RPC deadline in seconds")
+    _add_tls_ca(p)
     p.set_defaults(func=cmd_health)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args.address, args.tls_ca) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -143,7 +162,7 @@ def _stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args.target, args.tls_ca) as channel:
         complete = _stream(pb_grpc.GenerationStub(channel), generate_request(args), args.timeout)
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -157,7 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from google.protobuf import text_format
 
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args.target, args.tls_ca) as channel:
         stub = pb_grpc.GenerationStub(channel)
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
         server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout)

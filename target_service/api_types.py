@@ -40,7 +40,7 @@ class FinishReason(enum.IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 → greedy
+    temperature: float = 0.0  # 0 (below 1e-5) → greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 → off
     seed: int | None = None
@@ -57,11 +57,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5  # common.sampling.GREEDY_TEMPERATURE (no torch here)
 
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024  # each emitted token is looked up in them
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class StopParams:
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequestError("stop.stop", f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop.stop_token_ids",
+                                      f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
 
 
 @dataclass(frozen=True)

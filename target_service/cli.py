@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     srv.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port, logged)")
     srv.add_argument("--max-message-bytes", type=parse_bytes, default="64MiB", help="gRPC message size limit")
+    srv.add_argument("--tls-cert", default=None, metavar="PEM",
+                     help="serve the public API over TLS with this certificate chain (with --tls-key)")
+    srv.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     srv.add_argument("--shutdown-grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get before they are aborted")
     add_metrics_args(srv, default_port=9400)
@@ -90,7 +93,7 @@ def serve_config(args: argparse.Namespace):
     from common.auth import load_internal_token
     from target_service.convert import RequestDefaults
     from target_service.engine import EngineConfig
-    from target_service.server import ServeConfig
+    from target_service.server import ServeConfig, TLSConfig
 
     engine = EngineConfig(
         model=args.model,
@@ -120,6 +123,7 @@ def serve_config(args: argparse.Namespace):
         metrics_port=args.metrics_port,
         max_message_bytes=args.max_message_bytes,
         defaults=RequestDefaults(max_tokens=args.default_max_tokens),
+        tls=TLSConfig.from_files(args.tls_cert, args.tls_key),
     )
 
 

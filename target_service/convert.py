@@ -56,6 +56,9 @@ def engine_request(msg: pb.GenerateRequest, tokenizer, model_info: ModelInfo,
 def request_id(given: str) -> str:
     if len(given) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id", f"must have at most {MAX_REQUEST_ID_CHARS} characters")
+    if not all(" " <= c <= "~" for c in given):  # it is echoed in gRPC metadata, which allows only these
+        raise InvalidRequestError("request_id", "must be printable ASCII (it is echoed as splitspec-request-id "
+                                  "metadata)")
     return given or uuid.uuid4().hex
 
 

@@ -680,7 +680,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
-        self._core.close()
+        await asyncio.to_thread(self._core.close)  # it may wait (briefly) on the drafter: not on the loop
 
 
 class RequestStream:
@@ -731,6 +731,10 @@ def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:
     bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise InvalidRequestError("input.token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+    bad = next((t for t in request.stop.stop_token_ids if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("stop.stop_token_ids",
+                                  f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
     total = len(ids) + request.stop.max_tokens
     if total > info.max_model_len:
         raise InvalidRequestError(

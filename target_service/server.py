@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -106,6 +108,39 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 # ---------------------------------------------------------------- server assembly
 
 
+@dataclass(frozen=True)
+class TLSConfig:
+    """The public API's certificate chain and private key, PEM bytes."""
+
+    cert_chain: bytes
+    private_key: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if b"-----BEGIN CERTIFICATE-----" not in self.cert_chain:
+            raise ValueError("the TLS certificate is not a PEM certificate (no BEGIN CERTIFICATE block)")
+        if not re.search(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----", self.private_key):
+            raise ValueError("the TLS key is not a PEM private key (no BEGIN ... PRIVATE KEY block)")
+
+    @classmethod
+    def from_files(cls, cert_file: str | None, key_file: str | None) -> TLSConfig | None:
+        """Both files or neither (plaintext); a clear error naming the flag otherwise."""
+        if not cert_file and not key_file:
+            return None
+        if not cert_file or not key_file:
+            raise ValueError("--tls-cert and --tls-key go together: give both, or neither for plaintext")
+        return cls(_read_pem(cert_file, "--tls-cert"), _read_pem(key_file, "--tls-key"))
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)])
+
+
+def _read_pem(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {flag} {path}: {exc.strerror or exc}") from exc
+
+
 @dataclass
 class ServeConfig:
     engine: EngineConfig
@@ -116,6 +151,7 @@ class ServeConfig:
     defaults: convert.RequestDefaults = field(default_factory=convert.RequestDefaults)
     metrics_host: str | None = None  # None → the gRPC host
     metrics_port: int = 9400  # 0 → no metrics endpoint
+    tls: TLSConfig | None = None  # None → plaintext
 
     def __post_init__(self) -> None:
         check_listen_config(self.port, self.max_message_bytes, self.shutdown_grace_s)
@@ -142,10 +178,15 @@ async def start_server(config: ServeConfig) -> RunningServer:
     slot = EngineSlot()
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(slot, config.defaults), server)
     health = HealthReporter(server, SERVICE_NAME)
-    running = RunningServer(server, health, slot, server.add_insecure_port(config.address))
+    if config.tls is not None:
+        port = server.add_secure_port(config.address, config.tls.credentials())
+    else:
+        port = server.add_insecure_port(config.address)
+    running = RunningServer(server, health, slot, port)
     await running.health.set_serving(False)
     await server.start()
-    log.info("splitspec-target listening on %s:%d", config.host, running.port)
+    log.info("splitspec-target listening on %s:%d%s", config.host, running.port,
+             " (TLS)" if config.tls is not None else "")
     return running
 
 

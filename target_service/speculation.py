@@ -94,19 +94,32 @@ class Speculator:
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled})
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int]) -> dict[int, list[int]]:
-        """Drop garbage: unknown sequences, out-of-vocabulary ids, more tokens than reserved."""
-        drafts = {}
+        """Drop garbage: unknown sequences, out-of-vocabulary ids, more tokens than reserved,
+        and every draft of a sequence named twice (which one would be meant?)."""
+        drafts: dict[int, list[int]] = {}
+        seen: set[int] = set()
+        duplicated: set[int] = set()
+        invalid = 0
         for draft in reply.drafts:
-            limit = reserved.get(draft.seq_id, 0)
             tokens = list(draft.token_ids)
             if not tokens:
                 continue
-            if len(tokens) > limit or any(not 0 <= t < self.vocab_size for t in tokens):
-                log.warning("drafter returned an invalid draft for sequence %d; ignored", draft.seq_id)
-                if self.metrics is not None:
-                    self.metrics.invalid_drafts.inc()
+            if draft.seq_id in seen:
+                invalid += 1
+                duplicated.add(draft.seq_id)
+                continue
+            seen.add(draft.seq_id)
+            if len(tokens) > reserved.get(draft.seq_id, 0) or any(not 0 <= t < self.vocab_size for t in tokens):
+                invalid += 1
                 continue
             drafts[draft.seq_id] = tokens
+        for seq_id in duplicated:
+            if drafts.pop(seq_id, None) is not None:
+                invalid += 1
+        if invalid:
+            log.warning("drafter returned %d invalid draft(s); ignored", invalid)
+            if self.metrics is not None:
+                self.metrics.invalid_drafts.inc(invalid)
         return drafts
 
     def _empty_update(self, seq: Sequence) -> dpb.SequenceUpdate:

@@ -48,9 +48,10 @@ class Service:
             time.sleep(0.02)
         pytest.fail(f"{self.proc.args} did not listen within {timeout} s:\n{self.log()}")
 
-    def wait_serving(self, timeout: float = 180.0) -> str:
+    def wait_serving(self, timeout: float = 180.0, credentials: grpc.ChannelCredentials | None = None) -> str:
         address = self.address or self.wait_listening(timeout)
-        with grpc.insecure_channel(address) as channel:
+        channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -116,3 +117,40 @@ def server_info(address: str):
 
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+
+
+def wait_idle(address: str, timeout: float = 30.0):
+    """ServerInfo once every page is free and nothing runs or waits (else the test fails)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_info(address)
+        if info.free_pages == info.num_pages and info.running == 0 and info.waiting == 0:
+            return info
+        if time.monotonic() > deadline:
+            pytest.fail(f"not idle within {timeout} s: {info.free_pages}/{info.num_pages} pages free, "
+                        f"{info.running} running, {info.waiting} waiting")
+        time.sleep(0.05)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process (VmRSS), KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """Every sample of a /metrics endpoint: 'name{label="v",...}' (labels sorted) or 'name' → value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples

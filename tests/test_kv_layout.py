@@ -118,3 +118,33 @@ def test_stale_shm_files_removed_only_for_dead_targets(tmp_path):
     removed = remove_stale_shm_files(tmp_path)
     assert removed == [dead]
     assert mine.exists() and unrelated.exists()
+
+
+def test_a_locked_pool_file_is_kept_even_when_its_pid_looks_dead(tmp_path):
+    """A target in another pid namespace: its pid means nothing here, its flock does."""
+    import fcntl
+
+    path = tmp_path / "splitspec-abcd-999999999-e0.kv"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert remove_stale_shm_files(tmp_path) == [] and path.exists()
+    finally:
+        os.close(fd)
+    assert remove_stale_shm_files(tmp_path) == [path]
+
+
+def test_a_pool_holds_its_files_lock_until_closed(tmp_path):
+    import fcntl
+
+    layout = build_layout(order="NHD", page_size=4, kv_dtype="float32", num_pages=2,
+                          layers=[LayerSpec("target", 0, 1, 8)], target_id="abcd", epoch=0)
+    pool = PagePool.create(layout, torch.device("cpu"), tmp_path)
+    fd = os.open(pool.path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    pool.close()
+    assert pool.lock_fd is None and not list(tmp_path.iterdir())

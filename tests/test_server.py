@@ -398,6 +398,12 @@ INVALID = {
     "token id >= vocab": (_token_ids(lambda vocab: [1, vocab, 2]), "input.token_ids"),
     "token id < 0": (_token_ids(lambda vocab: [1, -1]), "input.token_ids"),
     "request_id too long": (_with(request_id="x" * 300), "request_id"),
+    # echoed as gRPC metadata, which carries printable ASCII only (was INTERNAL, and leaked the stream)
+    "request_id not ASCII": (_with(request_id="h\u00e9llo"), "request_id"),
+    "request_id with a newline": (_with(request_id="a\nb"), "request_id"),
+    "stop token id >= vocab": (lambda tokenizer, vocab: _with(**{"stop.stop_token_ids": [vocab]})(tokenizer, vocab),
+                               "stop.stop_token_ids"),
+    "too many stop token ids": (_with(**{"stop.stop_token_ids": [1] * 1025}), "stop.stop_token_ids"),
 }
 
 
@@ -411,6 +417,15 @@ def test_invalid_request_is_invalid_argument_naming_the_field(stub, tokenizer, c
     assert err.value.details().startswith(field_name), err.value.details()
     _, _, complete = generate(stub, request(PROMPTS[6], max_tokens=2))  # still serving
     assert complete.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_tiny_temperature_decodes_greedily(stub):
+    """logits / 1e-40 overflow float32 (inf - inf = NaN): such a request used to fail the step
+    for every request in the batch; below 1e-5 the temperature means greedy."""
+    greedy = generate(stub, request(PROMPTS[8], max_tokens=6))[0]
+    for temperature in (1e-40, 1e-6):
+        ids, _, complete = generate(stub, request(PROMPTS[8], max_tokens=6, temperature=temperature))
+        assert ids == greedy and complete.finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_abort_without_request_id_is_invalid(stub):

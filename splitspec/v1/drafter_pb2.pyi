@@ -188,14 +188,16 @@ class ProposeResponse(_message.Message):
     def __init__(self, drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("target_id", "epoch", "seq_ids")
+    __slots__ = ("target_id", "epoch", "seq_ids", "detach")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     epoch: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    detach: bool
+    def __init__(self, target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., detach: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
