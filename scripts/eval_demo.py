@@ -1,0 +1,190 @@
+"""Measure the demo pair on the held-out standard-library modules; print a markdown table.
+
+    python scripts/eval_demo.py                  # demo/ (scripts/train_demo.py writes it)
+    python scripts/eval_demo.py --models DIR --max-tokens 64 --prompts-per-module 2
+
+- **Perplexity** of the target on the held-out modules (`train_demo.HELD_OUT`, never
+  trained on), with transformers, over non-overlapping windows of the model's context.
+- **Mean acceptance length** per drafter at K (default 8), measured through the real
+  stack: `splitspec up`'s own code path starts the target and the drafter as two
+  processes (handshake, shared KV pages), and greedy requests report `Usage`. The
+  figure is tokens per target forward during decoding, bonus included:
+  Σ (completion_tokens − 1) / Σ (completion_tokens − 1 − accepted_tokens); every decode
+  forward yields one target token plus the accepted drafts, and the first token comes
+  from the prefill. "per drafted step" is (accepted + num_drafts) / num_drafts.
+
+Prompts: in each held-out module, `--prompts-per-module` function definitions spread
+over the file; a prompt is the source before and including the `def` line (at most
+`--prompt-tokens` tokens), completed greedily for `--max-tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import train_demo  # noqa: E402  (the held-out list and the corpus rules)
+
+DRAFTERS = ("dflash", "draft_model", "ngram")
+
+
+@torch.no_grad()
+def perplexity(target_dir: Path, files: list[Path], threads: int) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    window = model.config.max_position_embeddings
+    total_nll, total_tokens = 0.0, 0
+    for path in files:
+        ids = tokenizer(train_demo.read_text(path)).input_ids + [tokenizer.eos_token_id]
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor(ids[start:start + window + 1])[None]
+            if chunk.shape[1] < 2:
+                continue
+            logits = model(input_ids=chunk[:, :-1]).logits.float()
+            nll = torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum")
+            total_nll += nll.item()
+            total_tokens += chunk.shape[1] - 1
+    return math.exp(total_nll / total_tokens), total_tokens
+
+
+def held_out_prompts(tokenizer, files: list[Path], per_module: int, prompt_tokens: int) -> list[str]:
+    """`per_module` def lines spread over each file; the text before and through each."""
+    prompts = []
+    for path in files:
+        lines = train_demo.read_text(path).splitlines(keepends=True)
+        defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ") and i >= 5]
+        if not defs:
+            continue
+        picks = sorted({defs[(j * len(defs)) // per_module] for j in range(per_module)})
+        for i in picks:
+            start = i
+            while start > 0 and len(tokenizer("".join(lines[start - 1:i + 1])).input_ids) <= prompt_tokens:
+                start -= 1
+            prompts.append("".join(lines[start:i + 1]))
+    return prompts
+
+
+@dataclass
+class Row:
+    drafter: str
+    requests: int
+    completion_tokens: int
+    accepted: int
+    drafted: int
+    num_drafts: int
+    wall_s: float
+
+    @property
+    def acceptance_length(self) -> float:
+        decoded = self.completion_tokens - self.requests
+        return decoded / max(1, decoded - self.accepted)
+
+    @property
+    def per_drafted_step(self) -> float:
+        return (self.accepted + self.num_drafts) / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+def up_args(models: Path, drafter: str, k: int) -> argparse.Namespace:
+    return argparse.Namespace(drafter=drafter, models=models, host="127.0.0.1", port=0, draft_port=0,
+                              num_speculative_tokens=k, drafter_timeout_s=30.0, max_num_seqs=8,
+                              kv_cache_dtype="auto", shm_dir="/dev/shm", startup_timeout=600.0,
+                              stop_timeout=20.0, log_level="warning")
+
+
+def generate(address: str, prompt: str, max_tokens: int, k: int):
+    import grpc
+
+    from splitspec.v1 import generation_pb2 as pb
+    from splitspec.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(text=prompt, stop=pb.StopParams(max_tokens=max_tokens),
+                                 speculation=pb.SpeculationParams(num_speculative_tokens=k))
+    tokens, complete = [], None
+    with grpc.insecure_channel(address) as channel:
+        for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=600):
+            if response.HasField("chunk"):
+                tokens.extend(response.chunk.token_ids)
+            else:
+                complete = response.complete
+    return tokens, complete
+
+
+def measure(models: Path, drafter: str, prompts: list[str], max_tokens: int, k: int, concurrency: int) -> Row:
+    from splitspec.up import Stack, bring_up
+
+    stack = Stack(echo=False)
+    try:
+        address = bring_up(up_args(models, drafter, k), stack)
+        started = time.monotonic()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(lambda p: generate(address, p, max_tokens, k), prompts))
+        wall = time.monotonic() - started
+    finally:
+        stack.stop(20.0)
+    usages = [complete.usage for _, complete in results]
+    return Row(drafter, len(prompts), sum(u.completion_tokens for u in usages),
+               sum(u.accepted_tokens for u in usages), sum(u.draft_tokens for u in usages),
+               sum(u.num_drafts for u in usages), wall)
+
+
+def table(rows: list[Row], k: int) -> str:
+    lines = [f"| drafter | mean acceptance length (K={k}) | per drafted step | draft acceptance rate "
+             "| completion tokens | tokens/s (2 CPU cores) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.drafter == "none":
+            lines.append(f"| none | 1.00 | – | – | {r.completion_tokens} | {r.completion_tokens / r.wall_s:.1f} |")
+            continue
+        lines.append(f"| {r.drafter} | **{r.acceptance_length:.2f}** | {r.per_drafted_step:.2f} | "
+                     f"{r.acceptance_rate:.2f} | {r.completion_tokens} | {r.completion_tokens / r.wall_s:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, default=train_demo.DEFAULT_OUT)
+    parser.add_argument("--drafters", default=",".join(DRAFTERS) + ",none",
+                        help="comma-separated kinds to measure (none: the target alone, for tokens/s)")
+    parser.add_argument("--k", type=int, default=8, help="draft tokens per step")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts-per-module", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    files = train_demo.held_out_files()
+    ppl, n_tokens = perplexity(args.models / "target", files, args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
+    prompts = held_out_prompts(tokenizer, files, args.prompts_per_module, args.prompt_tokens)
+    rows = [measure(args.models, kind, prompts, args.max_tokens, args.k, args.concurrency)
+            for kind in args.drafters.split(",") if kind]
+    print(f"Held-out modules: {', '.join(p.name for p in files)} ({n_tokens} tokens)\n")
+    print(f"Target perplexity on the held-out modules: **{ppl:.2f}**\n")
+    print(f"{len(prompts)} greedy prompts, {args.max_tokens} new tokens each, concurrency {args.concurrency}:\n")
+    print(table(rows, args.k))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""`splitspec up`: the whole stack on one machine, on the bundled demo pair (CPU).
+
+Starts the drafter and the target as two child processes (`python -m draft_service.cli`,
+`python -m target_service.cli --drafter ...`), sharing a generated internal token unless
+`SPLITSPEC_INTERNAL_TOKEN` is set; waits until both serve `grpc.health.v1` and the
+target reports the drafter handshaken (`GetServerInfo`: drafter READY); prints the
+address and an example; streams both logs with a `[target]`/`[draft]` prefix; and on
+Ctrl-C or SIGTERM stops the target, then the drafter (SIGTERM, then SIGKILL after a grace).
+
+The children run in their own process group, so a terminal's Ctrl-C reaches only this
+process, which stops them in order; on Linux they also get SIGTERM if it dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from common.auth import TOKEN_ENV
+
+DRAFTERS = ("dflash", "draft_model", "ngram", "none")
+DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "demo"
+READY_LINE = "splitspec up: ready at {address}"
+EXIT_FAILED = 1
+
+
+class UpError(RuntimeError):
+    """The stack could not be brought up; the message says why."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("up", help="run the target and a drafter on the bundled demo pair (CPU)",
+                       description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--drafter", default="dflash", choices=DRAFTERS, help="drafter kind (none: no speculation)")
+    p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
+                   help="folder with target/, dflash/, draft_model/ (scripts/train_demo.py writes it)")
+    p.add_argument("--host", default="127.0.0.1", help="the target's public address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=50051, help="the target's public port (0: any free port)")
+    p.add_argument("--draft-port", type=int, default=50061, help="the drafter's port on 127.0.0.1 (0: any)")
+    p.add_argument("--num-speculative-tokens", type=int, default=8, help="K: draft tokens per step")
+    p.add_argument("--drafter-timeout-s", type=float, default=5.0, help="per-step Propose deadline")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences in a running batch (sizes the KV pool)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV page dtype (auto: float32 on CPU; or fp8)")
+    p.add_argument("--shm-dir", default="/dev/shm", help="where the shared KV pool file lives")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health and handshake")
+    p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each service gets to stop on SIGTERM")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_up)
+
+
+# ---------------------------------------------------------------------------------------
+# Child processes
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    os.setpgrp()
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: stop when `splitspec up` dies
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+@dataclass
+class Child:
+    """One service: its process and a thread copying its log lines to ours."""
+
+    name: str
+    proc: subprocess.Popen
+    tail: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, name: str, module: str, args: list[str], env: dict[str, str], out_lock: threading.Lock,
+              echo: bool = True) -> Child:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=_child_setup, text=True, errors="replace", bufsize=1)
+        child = cls(name, proc)
+        threading.Thread(target=child._pump, args=(out_lock, echo), name=f"log-{name}", daemon=True).start()
+        return child
+
+    def _pump(self, out_lock: threading.Lock, echo: bool) -> None:
+        prefix = f"[{self.name}] "
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail = (self.tail + [line])[-40:]
+            if echo:
+                with out_lock:
+                    print(prefix + line, flush=True)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def check_alive(self) -> None:
+        if not self.running():
+            tail = "\n".join(self.tail[-15:])
+            raise UpError(f"{self.name} exited with status {self.proc.returncode}:\n{tail}")
+
+    def stop(self, timeout: float) -> int:
+        if self.running():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# Readiness
+
+
+def wait_serving(child: Child, address: str, deadline: float) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            child.check_alive()
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise UpError(f"{child.name} at {address} was not SERVING in time")
+            time.sleep(0.1)
+
+
+def wait_handshake(target: Child, address: str, deadline: float):
+    """Poll GetServerInfo until the drafter is READY (or NONE without one); its DrafterState."""
+    from splitspec.v1 import generation_pb2 as pb
+    from splitspec.v1 import generation_pb2_grpc as pb_grpc
+
+    ready = (pb.DrafterState.STATUS_READY, pb.DrafterState.STATUS_NONE)
+    state = None
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        while True:
+            target.check_alive()
+            state = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).drafter
+            if state.status in ready:
+                return state
+            if time.monotonic() > deadline:
+                status = pb.DrafterState.Status.Name(state.status)
+                raise UpError(f"the drafter is not handshaken ({status}: {state.detail or 'no detail'})")
+            time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------------
+# The command
+
+
+def model_dirs(models: Path, drafter: str) -> tuple[Path, Path | None]:
+    """(target folder, draft checkpoint folder or None); a clear error when missing."""
+    target = models / "target"
+    draft = {"dflash": models / "dflash", "draft_model": models / "draft_model"}.get(drafter)
+    for folder in (target, draft):
+        if folder is not None and not (folder / "config.json").is_file():
+            raise UpError(f"no checkpoint in {folder}: train the demo pair with "
+                          f"`python scripts/train_demo.py` or pass --models DIR")
+    return target, draft
+
+
+def free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not env.get(TOKEN_ENV, "").strip():
+        env[TOKEN_ENV] = secrets.token_urlsafe(32)
+    package_root = str(Path(__file__).resolve().parents[1])  # where splitspec, common, ... live
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
+def drafter_args(args: argparse.Namespace, target_dir: Path, draft_dir: Path | None, port: int) -> list[str]:
+    model = ["--model", str(draft_dir)] if draft_dir is not None else []
+    return ["--kind", args.drafter, *model, "--target-model", str(target_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--log-level", args.log_level]
+
+
+def target_args(args: argparse.Namespace, target_dir: Path, drafter_address: str | None, port: int) -> list[str]:
+    drafter = ["--drafter", drafter_address, "--num-speculative-tokens", str(args.num_speculative_tokens),
+               "--drafter-timeout-s", str(args.drafter_timeout_s)] if drafter_address else []
+    return ["--model", str(target_dir), "--host", args.host, "--port", str(port), *drafter,
+            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-dtype", args.kv_cache_dtype,
+            "--shm-dir", args.shm_dir, "--shutdown-grace-s", "5", "--log-level", args.log_level]
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+
+
+class Stack:
+    """The running pair; `stop` ends the target first (it drains), then the drafter."""
+
+    def __init__(self, echo: bool = True) -> None:
+        self.children: list[Child] = []
+        self.out_lock = threading.Lock()
+        self.echo = echo  # False: keep the services' logs to themselves (scripts, tests)
+
+    def start(self, name: str, module: str, args: list[str], env: dict[str, str]) -> Child:
+        child = Child.start(name, module, args, env, self.out_lock, self.echo)
+        self.children.append(child)
+        return child
+
+    def say(self, message: str) -> None:
+        if not self.echo:
+            return
+        with self.out_lock:
+            print(message, flush=True)
+
+    def stop(self, timeout: float) -> bool:
+        clean = True
+        for child in reversed(self.children):
+            code = child.stop(timeout)
+            clean &= code in (0, -signal.SIGTERM)
+            self.say(f"splitspec up: {child.name} stopped (status {code})")
+        return clean
+
+
+def bring_up(args: argparse.Namespace, stack: Stack) -> str:
+    """Start both services and wait until they are ready; the target's client address."""
+    target_dir, draft_dir = model_dirs(args.models, args.drafter)
+    env = child_env()
+    deadline = time.monotonic() + args.startup_timeout
+    drafter_address = None
+    if args.drafter != "none":
+        port = args.draft_port or free_port("127.0.0.1")
+        drafter_address = f"127.0.0.1:{port}"
+        draft = stack.start("draft", "draft_service.cli", drafter_args(args, target_dir, draft_dir, port), env)
+        wait_serving(draft, drafter_address, deadline)
+    port = args.port or free_port(args.host)
+    address = f"{_client_host(args.host)}:{port}"
+    target = stack.start("target", "target_service.cli", target_args(args, target_dir, drafter_address, port), env)
+    wait_serving(target, address, deadline)
+    state = wait_handshake(target, address, deadline)
+    drafter = f"drafter {state.kind} at {drafter_address}, K={state.num_speculative_tokens}" \
+        if drafter_address else "no drafter"
+    stack.say(f"{READY_LINE.format(address=address)} ({drafter})\n"
+              f"  try: splitspec generate --target {address} \"def fibonacci(n):\"\n"
+              f"  Ctrl-C stops both services.")
+    return address
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM while the stack was still starting."""
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    starting = True
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+        if starting:
+            raise Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack()
+    code = 0
+    try:
+        bring_up(args, stack)
+        starting = False
+        while not stop.wait(0.2):
+            for child in stack.children:
+                child.check_alive()
+    except Interrupted:
+        pass
+    except UpError as exc:
+        stack.say(f"splitspec up: error: {exc}")
+        code = EXIT_FAILED
+    finally:
+        starting = False
+        stack.say("splitspec up: stopping")
+        if not stack.stop(args.stop_timeout):
+            code = EXIT_FAILED
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code

@@ -1,0 +1,228 @@
+"""The bundled demo pair and `splitspec up`.
+
+`scripts/train_demo.py --smoke` always runs (into a tmp dir). The other tests use the
+bundled `demo/` when it is complete, else the smoke outputs: never a silent skip.
+- transformers loads the target and the tokenizer (EOS and the DFlash mask token);
+- the `dflash` package loads the drafter, and `dflash_generate` reproduces the target's
+  greedy output on held-out snippets;
+- end to end through `splitspec up`'s own code path (two processes, handshake, shared
+  pages): greedy tokens with speculation equal those without, Usage shows drafts, and
+  Ctrl-C stops both services cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.v1 import generation_pb2 as pb
+from tests.procs import REPO_ROOT, free_port, stream_tokens
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import train_demo  # noqa: E402
+
+pytestmark = pytest.mark.slow
+BUNDLED = REPO_ROOT / "demo"
+PARTS = ("tokenizer", "target", "dflash", "draft_model")
+MAX_BYTES = 40 * 10**6
+READY = re.compile(r"splitspec up: ready at (\S+)")
+NEW_TOKENS = 24
+
+
+def complete(folder: Path) -> bool:
+    return all((folder / part / name).is_file()
+               for part in PARTS for name in (("tokenizer.json",) if part == "tokenizer" else ("config.json",)))
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "scripts/train_demo.py", "--smoke", "--threads", "1", "--out", str(out)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    print(f"smoke training: {time.monotonic() - started:.1f} s")
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_dir(smoke_dir) -> Path:
+    """The bundled pair when it is there, else the smoke run's."""
+    return BUNDLED if complete(BUNDLED) else smoke_dir
+
+
+def held_out_snippets(tokenizer, count: int, max_tokens: int) -> list[str]:
+    """The first `count` held-out modules' openings after the docstring, cut to max_tokens."""
+    snippets = []
+    for path in train_demo.held_out_files()[:count]:
+        text = train_demo.read_text(path)
+        start = text.find("\nimport ") + 1 or text.find("\ndef ") + 1
+        ids = tokenizer(text[start:]).input_ids[:max_tokens]
+        snippets.append(tokenizer.decode(ids))
+    return snippets
+
+
+def test_smoke_run_writes_every_part(smoke_dir):
+    assert complete(smoke_dir)
+    history = json.loads((smoke_dir / "training.json").read_text())
+    assert history["held_out"] == list(train_demo.HELD_OUT)
+    assert set(history["stage_seconds"]) == {"tokenizer", "target", "continuations", "dflash", "draft_model"}
+    assert not smoke_dir.with_name(smoke_dir.name + ".partial").exists()
+
+
+def test_held_out_modules_stay_out_of_training():
+    train, held = train_demo.corpus_files()
+    assert {p.stem for p in held} == set(train_demo.HELD_OUT)  # all of them exist in this interpreter
+    root = train_demo.stdlib_dir()
+    assert not [p for p in train if p.parent == root and p.stem in train_demo.HELD_OUT]
+
+
+def test_weights_fit_the_budget(demo_dir):
+    total = sum(f.stat().st_size for f in demo_dir.rglob("*.safetensors"))
+    assert 0 < total <= MAX_BYTES, f"{total / 1e6:.1f} MB of weights"
+
+
+def test_transformers_loads_target_and_tokenizer(demo_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for folder in (demo_dir / "tokenizer", demo_dir / "target", demo_dir / "draft_model"):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.mask_token == "<|mask|>"
+    code = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    assert tokenizer.decode(tokenizer(code).input_ids) == code  # byte-level: lossless
+    model = AutoModelForCausalLM.from_pretrained(demo_dir / "target").eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    ids = tokenizer(code, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+    dflash = json.loads((demo_dir / "dflash" / "config.json").read_text())
+    assert dflash["architectures"] == ["DFlashDraftModel"]
+    assert dflash["dflash_config"]["mask_token_id"] == tokenizer.mask_token_id
+
+
+def test_dflash_generate_reproduces_target_greedy(demo_dir, monkeypatch):
+    import dflash.model
+    from dflash.model import DFlashDraftModel, dflash_generate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)  # its stats time with CUDA syncs
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "target")
+    target = AutoModelForCausalLM.from_pretrained(demo_dir / "target", dtype=torch.float32).eval()
+    drafter = DFlashDraftModel.from_pretrained(demo_dir / "dflash", dtype=torch.float32).eval()
+    assert drafter.block_size == 9 and max(drafter.target_layer_ids) < target.config.num_hidden_layers
+    accepted = []
+    for snippet in held_out_snippets(tokenizer, 2, 32):
+        ids = tokenizer(snippet, return_tensors="pt").input_ids
+        expected = train_demo.greedy_continue(target, ids, ids.shape[1] + NEW_TOKENS)
+        stats = dflash_generate(drafter, target, ids, NEW_TOKENS, None, return_stats=True)
+        assert stats.output_ids.tolist() == expected.tolist(), snippet
+        accepted += stats.acceptance_lengths
+    assert max(accepted) > 1, "the drafter never had a draft token accepted"
+
+
+# ---------------------------------------------------------------------------------------
+# `splitspec up`
+
+
+class Up:
+    """`python -m splitspec.cli up ...` with its output in a file."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "splitspec.cli", "up", *args], cwd=REPO_ROOT,
+                                         stdout=log, stderr=subprocess.STDOUT, env={**_env(), "PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 300.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (match := READY.search(self.log())) is not None:
+                return match[1]
+            if self.proc.poll() is not None:
+                pytest.fail(f"splitspec up exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.1)
+        pytest.fail(f"splitspec up not ready within {timeout} s:\n{self.log()}")
+
+    def interrupt(self, timeout: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"splitspec up did not stop within {timeout} s:\n{self.log()}")
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env.pop("SPLITSPEC_INTERNAL_TOKEN", None)  # `up` generates one
+    return env
+
+
+def _greedy(address: str, prompt: str, disable: bool) -> tuple[list[int], pb.Complete]:
+    request = pb.GenerateRequest(text=prompt, stop=pb.StopParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+                                 speculation=pb.SpeculationParams(disable=disable))
+    return stream_tokens(address, request, timeout=300)
+
+
+def _serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+
+def test_up_dflash_end_to_end_is_lossless(demo_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    port, draft_port = free_port(), free_port()
+    up = Up(["--drafter", "dflash", "--models", str(demo_dir), "--port", str(port), "--draft-port", str(draft_port),
+             "--shm-dir", str(tmp_path), "--max-num-seqs", "4"], tmp_path / "up.log")
+    try:
+        address = up.wait_ready()
+        assert address == f"127.0.0.1:{port}"
+        assert re.search(r"splitspec generate --target 127\.0\.0\.1:\d+ ", up.log())
+        tokenizer = AutoTokenizer.from_pretrained(demo_dir / "target")
+        prompts = ["def fibonacci(n):", *held_out_snippets(tokenizer, 2, 48)]
+        drafted = 0
+        for prompt in prompts:
+            plain, plain_done = _greedy(address, prompt, disable=True)
+            spec, spec_done = _greedy(address, prompt, disable=False)
+            assert spec == plain, f"speculation changed the greedy output for {prompt!r}"
+            assert plain_done.usage.num_drafts == 0
+            assert spec_done.usage.accepted_tokens <= spec_done.usage.draft_tokens
+            drafted += spec_done.usage.num_drafts
+        assert drafted > 0, f"nothing was speculated:\n{up.log()}"
+        assert "[target] " in up.log() and "[draft] " in up.log()  # both logs are streamed
+    finally:
+        code = up.interrupt()
+    assert code == 0, up.log()
+    assert "target stopped" in up.log() and "draft stopped" in up.log()
+    assert not _serving(f"127.0.0.1:{port}") and not _serving(f"127.0.0.1:{draft_port}")
+    assert not list(tmp_path.glob("splitspec*")), "the target left its shared-memory pool file behind"
+
+
+def test_up_explains_missing_models(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "splitspec.cli", "up", "--models", str(tmp_path / "none")],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "train_demo.py" in run.stdout
