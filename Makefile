@@ -2,8 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEMO_DIR ?= .demo/tiny-qwen3
-PORT ?= 50051
+DRAFTER ?= dflash
 
 .PHONY: setup up test protos bench clean
 
@@ -20,8 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 up: setup
-	$(BIN)/python scripts/make_tiny_model.py $(DEMO_DIR)
-	$(BIN)/splitspec-target --model $(DEMO_DIR) --port $(PORT)
+	$(BIN)/splitspec up --drafter $(DRAFTER)
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
@@ -33,4 +31,4 @@ bench: setup
 	$(BIN)/python bench/bench_target.py
 
 clean:
-	rm -rf $(VENV) .demo
+	rm -rf $(VENV)
