@@ -153,10 +153,11 @@ def test_slow_and_hung_drafter_fall_back_then_recover(models, shm, tmp_path):
             # the stall behind a hung drafter is printed above, not asserted: timings on a
             # shared 2-core machine are benchmark figures, not test conditions
             assert tokens == want and complete.finish_reason == pb.FINISH_REASON_LENGTH
-        info = server_info(address)
-        assert info.drafter.status == UNAVAILABLE and "DEADLINE_EXCEEDED" in info.drafter.detail, info.drafter
+        # the hung streams may all finish before the stop lands: this request's Propose surely meets it
         tokens, complete = stream_tokens(address, request(PROMPTS[0]))  # served without it meanwhile
         assert tokens == expected[0] and complete.usage.num_drafts == 0
+        info = server_info(address)
+        assert info.drafter.status == UNAVAILABLE and "DEADLINE_EXCEEDED" in info.drafter.detail, info.drafter
 
         # resumed: the next handshake (a new epoch) brings speculation back
         drafter.signal(signal.SIGCONT)
