@@ -75,6 +75,11 @@ def run_service(
     return asyncio.run(serve(config))
 
 
+def add_threads_arg(group, default: str) -> None:
+    """--threads: torch's CPU thread pool for this process."""
+    group.add_argument("--threads", type=positive_int, default=None, help=f"torch CPU threads (default: {default})")
+
+
 def add_metrics_args(group, default_port: int) -> None:
     """--metrics-host/--metrics-port: the Prometheus endpoint beside the gRPC port."""
     group.add_argument("--metrics-port", type=int, default=default_port,

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli import HelpFormatter, add_log_level, add_metrics_args, parse_bytes, positive_int, run_service
+from common.cli import (
+    HelpFormatter,
+    add_log_level,
+    add_metrics_args,
+    add_threads_arg,
+    parse_bytes,
+    positive_int,
+    run_service,
+)
 from common.kv_layout import CACHE_DTYPE_CHOICES
 from draft_service.drafters import DTYPES, KINDS
 
@@ -32,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="required KV page dtype (auto: whatever the target's pool uses)")
     model.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to match")
     model.add_argument("--ngram-max", type=positive_int, default=4, help="longest n-gram to match")
+    add_threads_arg(model, "1 on a CPU, where the target owns the cores; torch's on a GPU")
 
     model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
                        help="auto: FlashInfer on CUDA when it fits the model, else torch")
@@ -74,6 +83,7 @@ def serve_config(args: argparse.Namespace):
         shutdown_grace_s=args.shutdown_grace_s,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        threads=args.threads,
     )
 
 

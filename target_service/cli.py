@@ -5,8 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli import HelpFormatter, add_log_level, add_metrics_args, fraction, parse_bytes, positive_int, run_service
+from common.cli import (
+    HelpFormatter,
+    add_log_level,
+    add_metrics_args,
+    add_threads_arg,
+    fraction,
+    parse_bytes,
+    positive_int,
+    run_service,
+)
 from common.kv_layout import CACHE_DTYPE_CHOICES, CacheConfig
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -27,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
                        help="attention kernels (auto: the best one for the device)")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+    add_threads_arg(model, "torch's, one per core")
 
     cache = p.add_argument_group("KV cache")
     cache.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
@@ -113,6 +124,7 @@ def serve_config(args: argparse.Namespace):
         num_speculative_tokens=args.num_speculative_tokens,
         drafter_timeout_s=args.drafter_timeout_s,
         drafter_startup_wait_s=args.drafter_startup_wait_s,
+        threads=args.threads,
     )
     return ServeConfig(
         engine=engine,

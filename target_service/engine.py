@@ -34,9 +34,10 @@ from common.kv_layout import (
 from common.kv_pool import PagePool, remove_stale_shm_files
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
 from common.pool_transport import PoolExports, check_ipc_allocator, device_uuid, write_canary
-from splitspec.v1 import drafter_pb2 as dpb
 from common.sampling import SamplingSpec, make_generator
+from common.threads import apply_threads, check_threads
 from common.weights import resolve_model_path
+from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import (
     EngineRequest,
     FinishReason,
@@ -87,8 +88,10 @@ class EngineConfig:
     num_speculative_tokens: int = 8  # the server's K: requests may ask for fewer
     drafter_timeout_s: float = 2.0  # per-step Propose deadline
     drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
+    threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
 
     def __post_init__(self) -> None:
+        check_threads(self.threads)
         if self.drafter and not self.internal_token:
             raise ValueError("a drafter needs the internal token (SPLITSPEC_INTERNAL_TOKEN or --internal-token-file)")
         if self.num_speculative_tokens < 0:
@@ -526,10 +529,12 @@ def _first_handshake(core: EngineCore, wait_s: float) -> None:
 class AsyncEngine:
     """asyncio front of an `EngineCore`; implements `EngineClient`."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, threads: int | None = None) -> None:
         self._core = core
         self.model_info = core.model_info
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # torch's thread count is per thread (MKL's is thread-local): size it where steps run
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine", initializer=apply_threads, initargs=(threads, log))
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending_adds: list[EngineRequest] = []
         self._pending_aborts: set[str] = set()
@@ -539,7 +544,7 @@ class AsyncEngine:
 
     @classmethod
     def build(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(build_engine_core(config))
+        return cls(build_engine_core(config), config.threads)
 
     def tokenizer(self):
         return self._core.tokenizer
