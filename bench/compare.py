@@ -20,15 +20,19 @@ import argparse
 import os
 import platform
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -55,6 +59,8 @@ class Result:
     drafts: int = 0
     accepted: int = 0
     note: str = ""
+    propose_ms: float | None = None  # mean Propose round trip, seen by the target
+    drafter_ms: float | None = None  # mean time the drafter spent inside Propose
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,6 +73,49 @@ class Result:
     @property
     def acceptance_length(self) -> float | None:
         return 1 + self.accepted / self.drafts if self.drafts else None
+
+
+def requests_for(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts, repeated until there are enough to keep `concurrency` requests in flight."""
+    repeats = -(-concurrency // len(prompts))
+    return (prompts * repeats)[: max(len(prompts), concurrency)]
+
+
+class HistogramMean:
+    """Mean of a Prometheus histogram over an interval: (sum, count) deltas."""
+
+    def __init__(self, read: Callable[[], tuple[float, float]]) -> None:
+        self._read = read
+        self._start = read()
+
+    def ms(self) -> float | None:
+        total, count = (now - then for now, then in zip(self._read(), self._start))
+        return 1e3 * total / count if count else None
+
+    @staticmethod
+    def of(histogram) -> HistogramMean:
+        """From a prometheus_client Histogram in this process."""
+        def read() -> tuple[float, float]:
+            samples = {m.name: m.value for family in histogram.collect() for m in family.samples}
+            return _sum_count(samples)
+        return HistogramMean(read)
+
+    @staticmethod
+    def scraped(url: str, name: str) -> HistogramMean:
+        """From another process's /metrics endpoint."""
+        def read() -> tuple[float, float]:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                text = reply.read().decode()
+            samples = {m.name: m.value for family in text_string_to_metric_families(text) if family.name == name
+                       for m in family.samples}
+            return _sum_count(samples)
+        return HistogramMean(read)
+
+
+def _sum_count(samples: dict[str, float]) -> tuple[float, float]:
+    total = next(v for k, v in samples.items() if k.endswith("_sum"))
+    count = next(v for k, v in samples.items() if k.endswith("_count"))
+    return total, count
 
 
 # ---------------------------------------------------------------- reference implementations
@@ -129,18 +178,22 @@ def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, conc
     return tokens, time.perf_counter() - start, steps, drafts, accepted
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class DrafterProcess:
     def __init__(self, kind: str, models: Path, token: str, log: Path) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port, metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         model = {"ngram": [], "draft_model": ["--model", str(models / "draft_model")],
                  "dflash": ["--model", str(models / "dflash")]}[kind]
         cmd = [sys.executable, "-m", "draft_service.cli", "--kind", kind, *model, "--target-model",
-               str(models / "target"), "--port", str(port), "--metrics-port", "0", "--log-level", "warning"]
+               str(models / "target"), "--port", str(port), "--metrics-port", str(metrics_port),
+               "--log-level", "warning"]
         env = {**os.environ, "SPLITSPEC_INTERNAL_TOKEN": token}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -155,15 +208,26 @@ def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None
                         drafter_timeout_s=60.0, drafter_startup_wait_s=300.0)
 
 
+def measure(core: EngineCore, row: int, name: str, prompts: list[list[int]], new_tokens: int, concurrency: int,
+            drafter_metrics: str | None = None) -> Result:
+    """One engine row; with a drafter, the mean Propose round trip and, for a drafter
+    process, the part of it spent inside the drafter (the rest is the split's transport)."""
+    propose = HistogramMean.of(core.metrics.propose_latency)
+    inside = (HistogramMean.scraped(drafter_metrics, "splitspec_draft_propose_latency_seconds")
+              if drafter_metrics else None)
+    n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
+    return Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
+                  drafter_ms=inside.ms() if inside else None)
+
+
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
                    tmp: str) -> list[Result]:
     results = []
     token = secrets.token_hex(16)
     core = build_engine_core(engine_config(models, tmp, k))
     core.warmup()
-    for c in (*levels, 16):
-        n, s, steps, _, _ = run_engine(core, prompts * (2 if c == 16 else 1), new_tokens, c)
-        results.append(Result(4, "splitspec, target only", c, n, s, steps))
+    for c in sorted({*levels, 16}):
+        results.append(measure(core, 4, "splitspec, target only", prompts, new_tokens, c))
     core.close()
     for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
         drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log")
@@ -173,8 +237,8 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
                 raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
             core.warmup()
             for c in levels:
-                n, s, steps, d, a = run_engine(core, prompts, new_tokens, c)
-                results.append(Result(row, f"splitspec + {kind} (2 processes)", c, n, s, steps, d, a))
+                results.append(measure(core, row, f"splitspec + {kind} (2 processes)", prompts, new_tokens, c,
+                                       drafter.metrics_url))
             core.close()
         finally:
             drafter.stop()
@@ -183,8 +247,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
     core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused"), drafter_stub=local)
     core.warmup()
     for c in levels:
-        n, s, steps, d, a = run_engine(core, prompts, new_tokens, c)
-        results.append(Result(8, "splitspec + dflash (1 process)", c, n, s, steps, d, a))
+        results.append(measure(core, 8, "splitspec + dflash (1 process)", prompts, new_tokens, c))
     core.close()
     return results
 
@@ -199,16 +262,18 @@ def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
     dflash = DFlashDraftModel.from_pretrained(models / "dflash", dtype=torch.float32).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     results = []
-    total = len(prompts) * new_tokens
     with torch.inference_mode():
+        # batch 1 only: one run stands for every concurrency level
+        one = len(prompts) * new_tokens
+        assisted = run_assisted(target, draft, prompts, new_tokens)
+        dflash_seconds = run_dflash_generate(target, dflash, prompts, new_tokens)
         for c in levels:
-            results.append(Result(1, "transformers generate", c, total,
-                                  run_transformers(target, prompts, new_tokens, c, pad),
+            batch = requests_for(prompts, c)
+            results.append(Result(1, "transformers generate", c, len(batch) * new_tokens,
+                                  run_transformers(target, batch, new_tokens, c, pad),
                                   note="" if c == 1 else "left-padded batches"))
-            results.append(Result(2, "transformers assisted (draft_model)", c, total,
-                                  run_assisted(target, draft, prompts, new_tokens), note="batch 1 only"))
-            results.append(Result(3, "dflash_generate", c, total,
-                                  run_dflash_generate(target, dflash, prompts, new_tokens), note="batch 1 only"))
+            results.append(Result(2, "transformers assisted (draft_model)", c, one, assisted, note="batch 1 only"))
+            results.append(Result(3, "dflash_generate", c, one, dflash_seconds, note="batch 1 only"))
     return results
 
 
@@ -221,14 +286,15 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
         f"Measured {date.today()} on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
         f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k}.",
         "",
-        "| # | run | concurrency | tok/s | vs 1 | vs 4 | accept len | step ms | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| # | run | concurrency | tok/s | vs 1 | vs 4 | accept len | step ms | propose ms | in drafter ms | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in sorted(results, key=lambda r: (r.concurrency, r.row)):
         one, four = base.get((1, r.concurrency)), base.get((4, r.concurrency))
         lines.append(f"| {r.row} | {r.name} | {r.concurrency} | {r.tokens_per_s:.1f} | {_ratio(r.tokens_per_s, one)} "
                      f"| {_ratio(r.tokens_per_s, four)} | {_fmt(r.acceptance_length, '.2f')} "
-                     f"| {_fmt(r.step_ms, '.1f')} | {r.note} |")
+                     f"| {_fmt(r.step_ms, '.1f')} | {_fmt(r.propose_ms, '.2f')} | {_fmt(r.drafter_ms, '.2f')} "
+                     f"| {r.note} |")
     lines += ["", *targets(results)]
     return "\n".join(lines) + "\n"
 
@@ -257,11 +323,24 @@ def targets(results: list[Result]) -> list[str]:
         check("row 7 / row 4 tokens/s at concurrency 1", r(7).tokens_per_s / r(4).tokens_per_s, 2.5)
     if r(7) and r(8):
         check("row 7 / row 8 step time at concurrency 1", r(7).step_ms / r(8).step_ms, 1.05, higher=False)
+        out.extend(split_cost(r(7), r(8)))
     if r(7) and r(2):
         check("row 7 / row 2 tokens/s at concurrency 1", r(7).tokens_per_s / r(2).tokens_per_s, 3.0)
     if r(4, 16) and r(4):
         check("row 4 tokens/s at concurrency 16 / concurrency 1", r(4, 16).tokens_per_s / r(4).tokens_per_s, 6.0)
     return out
+
+
+def split_cost(split: Result, joined: Result) -> list[str]:
+    """Where the split's extra step time goes, from the Propose means of rows 7 and 8."""
+    if None in (split.propose_ms, split.drafter_ms, joined.propose_ms):
+        return []
+    extra = split.step_ms - joined.step_ms
+    transport = split.propose_ms - split.drafter_ms
+    drafter = split.drafter_ms - joined.propose_ms
+    rest = extra - transport - drafter
+    return [f"  - the split adds {extra:.2f} ms per step: Propose transport (round trip − time in the drafter) "
+            f"{transport:.2f} ms, drafting in its own process {drafter:+.2f} ms, the rest of the step {rest:+.2f} ms"]
 
 
 def write_readme(text: str, command: str) -> None:

@@ -27,3 +27,8 @@ def test_compare_runs_every_row(tmp_path, capsys):
     for row in range(1, 9):
         assert f"\n| {row} | " in out
     assert "row 7 / row 8 step time" in out and "Targets:" in out
+    # rows 7 and 8 break the split's cost down from both processes' Propose histograms
+    assert "| in drafter ms |" in out and "the split adds" in out
+    row7 = next(line for line in out.splitlines() if line.startswith("| 7 | "))
+    propose_ms, drafter_ms = (float(cell) for cell in row7.split("|")[9:11])
+    assert 0 < drafter_ms < propose_ms
