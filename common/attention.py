@@ -138,19 +138,25 @@ def gather_kv_from_pages(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's pages as contiguous dequantized K and V: ([B, H, P * ps, D], same)."""
+    """Each row's pages, dequantized, as [B, H, P * ps, D] views of one gathered copy per
+    plane (the gather lays pages out so the token axis is contiguous; SDPA takes the view)."""
     num_seqs, num_pages = block_table.shape
-    pages = kv_cache.index_select(0, block_table.reshape(-1).long())  # [B*P, 2, ...]
-    pages = pages.view(num_seqs, num_pages, *kv_cache.shape[1:])
-    if order == "NHD":  # [B, P, 2, ps, H, D] → [B, 2, H, P, ps, D]
-        pages = pages.permute(0, 2, 4, 1, 3, 5)
-    elif order == "HND":  # [B, P, 2, H, ps, D] → [B, 2, H, P, ps, D]
-        pages = pages.permute(0, 2, 3, 1, 4, 5)
-    else:
-        raise ValueError(f"page order must be NHD or HND, got {order!r}")
-    heads, page_size, head_dim = pages.shape[2], pages.shape[4], pages.shape[5]
-    kv = pages.reshape(num_seqs, 2, heads, num_pages * page_size, head_dim)  # [B, 2, H, S, D]
-    return dequantize(kv[:, 0], dtype, k_scale), dequantize(kv[:, 1], dtype, v_scale)
+    flat = block_table.reshape(-1).long()  # [B*P]
+    k_plane, v_plane = _key_value_planes(kv_cache, order)
+    return tuple(
+        dequantize(_gather_plane(plane, flat, num_seqs, num_pages, order), dtype, scale)
+        for plane, scale in ((k_plane, k_scale), (v_plane, v_scale))
+    )
+
+
+def _gather_plane(plane: torch.Tensor, flat: torch.Tensor, num_seqs: int, num_pages: int, order: str) -> torch.Tensor:
+    if order == "NHD":  # [N, ps, H, D] → [B*P, ps, H, D] → [B, S, H, D] → [B, H, S, D]
+        page_size, heads, head_dim = plane.shape[1:]
+        rows = plane.index_select(0, flat).view(num_seqs, num_pages * page_size, heads, head_dim)
+        return rows.transpose(1, 2)
+    heads, page_size, head_dim = plane.shape[1:]  # HND: [N, H, ps, D] → [H, B*P, ps, D] → [B, H, S, D]
+    rows = plane.transpose(0, 1).index_select(1, flat).view(heads, num_seqs, num_pages * page_size, head_dim)
+    return rows.transpose(0, 1)
 
 
 # ---------------------------------------------------------------------------------------
