@@ -89,7 +89,7 @@ class HistogramMean:
         self._start = read()
 
     def ms(self) -> float | None:
-        total, count = (now - then for now, then in zip(self._read(), self._start))
+        total, count = (now - then for now, then in zip(self._read(), self._start, strict=True))
         return 1e3 * total / count if count else None
 
     @staticmethod
@@ -208,26 +208,38 @@ def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None
                         drafter_timeout_s=60.0, drafter_startup_wait_s=300.0)
 
 
+def median_of(runs: list[Result]) -> Result:
+    """The run of median duration: a shared machine's stalls land in the tails."""
+    return sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+
+
+def median_seconds(run: Callable[[], float], repeat: int) -> float:
+    return sorted(run() for _ in range(repeat))[repeat // 2]
+
+
 def measure(core: EngineCore, row: int, name: str, prompts: list[list[int]], new_tokens: int, concurrency: int,
-            drafter_metrics: str | None = None) -> Result:
-    """One engine row; with a drafter, the mean Propose round trip and, for a drafter
-    process, the part of it spent inside the drafter (the rest is the split's transport)."""
-    propose = HistogramMean.of(core.metrics.propose_latency)
-    inside = (HistogramMean.scraped(drafter_metrics, "splitspec_draft_propose_latency_seconds")
-              if drafter_metrics else None)
-    n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
-    return Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
-                  drafter_ms=inside.ms() if inside else None)
+            repeat: int, drafter_metrics: str | None = None) -> Result:
+    """One engine row (the median of `repeat` runs); with a drafter, the mean Propose round
+    trip and, for a drafter process, the part spent inside the drafter (the rest is transport)."""
+    runs = []
+    for _ in range(repeat):
+        propose = HistogramMean.of(core.metrics.propose_latency)
+        inside = (HistogramMean.scraped(drafter_metrics, "splitspec_draft_propose_latency_seconds")
+                  if drafter_metrics else None)
+        n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
+        runs.append(Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
+                           drafter_ms=inside.ms() if inside else None))
+    return median_of(runs)
 
 
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
-                   tmp: str) -> list[Result]:
+                   repeat: int, tmp: str) -> list[Result]:
     results = []
     token = secrets.token_hex(16)
     core = build_engine_core(engine_config(models, tmp, k))
     core.warmup()
     for c in sorted({*levels, 16}):
-        results.append(measure(core, 4, "splitspec, target only", prompts, new_tokens, c))
+        results.append(measure(core, 4, "splitspec, target only", prompts, new_tokens, c, repeat))
     core.close()
     for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
         drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log")
@@ -238,7 +250,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
             core.warmup()
             for c in levels:
                 results.append(measure(core, row, f"splitspec + {kind} (2 processes)", prompts, new_tokens, c,
-                                       drafter.metrics_url))
+                                       repeat, drafter.metrics_url))
             core.close()
         finally:
             drafter.stop()
@@ -247,13 +259,13 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
     core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused"), drafter_stub=local)
     core.warmup()
     for c in levels:
-        results.append(measure(core, 8, "splitspec + dflash (1 process)", prompts, new_tokens, c))
+        results.append(measure(core, 8, "splitspec + dflash (1 process)", prompts, new_tokens, c, repeat))
     core.close()
     return results
 
 
 def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...],
-                   tokenizer) -> list[Result]:
+                   repeat: int, tokenizer) -> list[Result]:
     from dflash.model import DFlashDraftModel
     from transformers import AutoModelForCausalLM
 
@@ -265,12 +277,12 @@ def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
     with torch.inference_mode():
         # batch 1 only: one run stands for every concurrency level
         one = len(prompts) * new_tokens
-        assisted = run_assisted(target, draft, prompts, new_tokens)
-        dflash_seconds = run_dflash_generate(target, dflash, prompts, new_tokens)
+        assisted = median_seconds(lambda: run_assisted(target, draft, prompts, new_tokens), repeat)
+        dflash_seconds = median_seconds(lambda: run_dflash_generate(target, dflash, prompts, new_tokens), repeat)
         for c in levels:
             batch = requests_for(prompts, c)
-            results.append(Result(1, "transformers generate", c, len(batch) * new_tokens,
-                                  run_transformers(target, batch, new_tokens, c, pad),
+            seconds = median_seconds(lambda: run_transformers(target, batch, new_tokens, c, pad), repeat)  # noqa: B023
+            results.append(Result(1, "transformers generate", c, len(batch) * new_tokens, seconds,
                                   note="" if c == 1 else "left-padded batches"))
             results.append(Result(2, "transformers assisted (draft_model)", c, one, assisted, note="batch 1 only"))
             results.append(Result(3, "dflash_generate", c, one, dflash_seconds, note="batch 1 only"))
@@ -284,7 +296,8 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     base = {(r.row, r.concurrency): r.tokens_per_s for r in results}
     lines = [
         f"Measured {date.today()} on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k}.",
+        f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k}; "
+        f"each row the median of {args.repeat} runs.",
         "",
         "| # | run | concurrency | tok/s | vs 1 | vs 4 | accept len | step ms | propose ms | in drafter ms | note |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -362,9 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=8, help="draft tokens per step")
     parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per row; the table shows the median")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--write-readme", action="store_true", help="replace the table in README.md")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -373,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts)]
     levels = tuple(int(c) for c in args.concurrency.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        results = reference_rows(args.models, prompts, args.new_tokens, levels, tokenizer)
-        results += splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, tmp)
+        results = reference_rows(args.models, prompts, args.new_tokens, levels, args.repeat, tokenizer)
+        results += splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, args.repeat, tmp)
     text = table(results, args)
     print(text)
     if args.write_readme:

@@ -22,7 +22,7 @@ def test_compare_runs_every_row(tmp_path, capsys):
     tok = AutoTokenizer.from_pretrained(target)
     make_reference_dflash(models / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
     assert compare.main(["--models", str(models), "--prompts", "2", "--new-tokens", "6", "--concurrency", "1",
-                         "--k", "4"]) == 0
+                         "--k", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     for row in range(1, 9):
         assert f"\n| {row} | " in out
