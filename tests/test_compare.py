@@ -32,3 +32,14 @@ def test_compare_runs_every_row(tmp_path, capsys):
     row7 = next(line for line in out.splitlines() if line.startswith("| 7 | "))
     propose_ms, drafter_ms = (float(cell) for cell in row7.split("|")[9:11])
     assert 0 < drafter_ms < propose_ms
+
+
+def test_propose_rtt_times_a_live_drafter(capsys):
+    from bench import propose_rtt
+
+    assert propose_rtt.main(["--calls", "5", "--gaps-ms", "0,2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ms |" in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["0 ms", "2 ms"]
+    for row in rows:
+        median, p90 = (int(cell) for cell in row.split("|")[2:4])
+        assert 0 < median <= p90
