@@ -1,10 +1,10 @@
 """The drafter's gRPC server: splitspec.v1.Drafter, health and reflection.
 
 State machine (DESIGN.md §3): Negotiate (facts) → Attach (layout, pool, canary) →
-Propose / Release. Every call that touches the drafter — model loading, handshakes,
-forwards — runs on one worker thread, in arrival order, so the event loop only moves
-bytes and the drafter needs no locks. Exceptions become status codes through `ERRORS`
-(common/grpc_errors.py).
+Propose / Release. Every call — handshakes, forwards — runs on the event loop's thread,
+one at a time in arrival order, so the drafter needs no locks; only model loading (before
+the drafter is handed to the host) and the final close run on a helper thread.
+Exceptions become status codes through `ERRORS` (common/grpc_errors.py).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class _Negotiated:
 
 
 class DrafterHost:
-    """The drafter plus its handshake state; every method runs on the worker thread."""
+    """The drafter plus its handshake state; every method runs on the event loop's thread."""
 
     def __init__(self, metrics: DrafterMetrics | None = None) -> None:
         self.drafter: Drafter | None = None
