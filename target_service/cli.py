@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="file with the internal channel's shared token (else $SPLITSPEC_INTERNAL_TOKEN)")
     spec.add_argument("--num-speculative-tokens", type=int, default=8,
                       help="the server's K; requests may ask for fewer")
+    spec.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None, metavar="N",
+                      help="run without drafts while N or more sequences are running (default: always draft)")
     spec.add_argument("--drafter-timeout-s", type=float, default=2.0, help="per-step Propose deadline")
     spec.add_argument("--drafter-startup-wait-s", type=float, default=30.0,
                       help="how long the first handshake may wait for the drafter")
@@ -124,6 +126,7 @@ def serve_config(args: argparse.Namespace):
         num_speculative_tokens=args.num_speculative_tokens,
         drafter_timeout_s=args.drafter_timeout_s,
         drafter_startup_wait_s=args.drafter_startup_wait_s,
+        speculative_disable_batch_size=args.speculative_disable_by_batch_size,
         threads=args.threads,
     )
     return ServeConfig(

@@ -88,6 +88,7 @@ class EngineConfig:
     num_speculative_tokens: int = 8  # the server's K: requests may ask for fewer
     drafter_timeout_s: float = 2.0  # per-step Propose deadline
     drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
+    speculative_disable_batch_size: int | None = None  # no drafts while this many sequences or more run
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
 
     def __post_init__(self) -> None:
@@ -105,6 +106,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        disable_at = self.speculative_disable_batch_size
+        if disable_at is not None and disable_at <= 0:
+            raise ValueError(f"speculative_disable_batch_size must be positive, got {disable_at}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
@@ -177,7 +181,8 @@ class EngineCore:
             self.block_manager,
         )
         self.speculator = (Speculator(link, config.num_speculative_tokens, model_info.max_model_len,
-                                      model_info.vocab_size) if link is not None else None)
+                                      model_info.vocab_size, config.speculative_disable_batch_size)
+                           if link is not None else None)
         self._tracked: dict[str, _Tracked] = {}
         self._next_seq_id = 0
         self._epoch = pool.layout.epoch

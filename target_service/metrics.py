@@ -63,6 +63,9 @@ class TargetMetrics:
         self.fallback_steps = Counter("splitspec_spec_decode_fallback_steps",
                                       "Steps run without speculation because the drafter was unavailable or failed.",
                                       registry=r)
+        self.batch_disabled_steps = Counter(
+            "splitspec_spec_decode_batch_disabled_steps",
+            "Steps run without drafts because the batch reached --speculative-disable-by-batch-size.", registry=r)
         self.invalid_drafts = Counter("splitspec_spec_decode_invalid_drafts",
                                       "Drafts discarded as invalid (unknown sequence, out-of-vocabulary ids, too long).",
                                       registry=r)

@@ -33,6 +33,7 @@ class Speculator:
     server_k: int
     max_model_len: int
     vocab_size: int
+    disable_batch_size: int | None = None  # no drafts while this many sequences or more run
     metrics: TargetMetrics | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
@@ -53,7 +54,15 @@ class Speculator:
         return min(k, self.server_k, self.link.facts.num_speculative_tokens)
 
     def lookahead(self, running: list[Sequence]) -> dict[int, int]:
-        """Draft slots to reserve for each decoding sequence the drafter follows."""
+        """Draft slots to reserve for each decoding sequence the drafter follows.
+
+        None while the batch is at `disable_batch_size` or more: verifying K+1 tokens for
+        every sequence of a large batch costs more than the drafts save. The drafter still
+        receives every sequence's context, so drafting resumes as soon as the batch shrinks."""
+        if self.disable_batch_size is not None and len(running) >= self.disable_batch_size:
+            if self.link.ready and self.metrics is not None:
+                self.metrics.batch_disabled_steps.inc()
+            return {}
         wants = {}
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or not self.follows(seq):
