@@ -89,7 +89,10 @@ class DrafterLink:
         if self._stub is not None:
             return
         options = [("grpc.max_send_message_length", self.config.max_message_bytes),
-                   ("grpc.max_receive_message_length", self.config.max_message_bytes)]
+                   ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                   # the link falls back and re-handshakes itself; gRPC's retry layer would only
+                   # buffer every Propose on the hot path
+                   ("grpc.enable_retries", 0)]
         self._channel = grpc.insecure_channel(self.config.address, options=options)
         self._stub = dpb_grpc.DrafterStub(self._channel)
 
