@@ -20,7 +20,6 @@ import argparse
 import os
 import platform
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -41,9 +41,11 @@ from common.kv_layout import CacheConfig  # noqa: E402
 from draft_service.drafters import DrafterConfig  # noqa: E402
 from draft_service.local import LocalDrafterStub  # noqa: E402
 from splitspec.heldout import held_out_prompts  # noqa: E402
+from splitspec.up import free_port  # noqa: E402
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams  # noqa: E402
 from target_service.engine import EngineConfig, EngineCore, build_engine_core  # noqa: E402
 
+T = TypeVar("T")
 README_BEGIN = "<!-- compare:begin -->"
 README_END = "<!-- compare:end -->"
 
@@ -178,12 +180,6 @@ def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, conc
     return tokens, time.perf_counter() - start, steps, drafts, accepted
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class DrafterProcess:
     def __init__(self, kind: str, models: Path, token: str, log: Path) -> None:
         port, metrics_port = free_port(), free_port()
@@ -208,13 +204,13 @@ def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None
                         drafter_timeout_s=60.0, drafter_startup_wait_s=300.0)
 
 
-def median_of(runs: list[Result]) -> Result:
+def median_of(runs: list[T], key: Callable[[T], float] = lambda x: x) -> T:
     """The run of median duration: a shared machine's stalls land in the tails."""
-    return sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    return sorted(runs, key=key)[len(runs) // 2]
 
 
 def median_seconds(run: Callable[[], float], repeat: int) -> float:
-    return sorted(run() for _ in range(repeat))[repeat // 2]
+    return median_of([run() for _ in range(repeat)])
 
 
 def measure(core: EngineCore, row: int, name: str, prompts: list[list[int]], new_tokens: int, concurrency: int,
@@ -229,7 +225,7 @@ def measure(core: EngineCore, row: int, name: str, prompts: list[list[int]], new
         n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
         runs.append(Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
                            drafter_ms=inside.ms() if inside else None))
-    return median_of(runs)
+    return median_of(runs, key=lambda r: r.seconds)
 
 
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,

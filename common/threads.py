@@ -14,11 +14,6 @@ import logging
 import torch
 
 
-def check_threads(threads: int | None) -> None:
-    if threads is not None and threads <= 0:
-        raise ValueError(f"threads must be positive, got {threads}")
-
-
 def drafter_threads(configured: int | None, device: str) -> int | None:
     """The drafter's default: one thread on a CPU (the target owns the cores), torch's on a GPU."""
     if configured is not None:

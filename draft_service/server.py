@@ -46,7 +46,7 @@ from common.layout_proto import (
 )
 from common.metrics_http import metrics_host, start_metrics_server
 from common.pool_transport import Canary, TransportError, map_pool, read_canary, sync_for_handoff
-from common.threads import apply_threads, check_threads, drafter_threads
+from common.threads import apply_threads, drafter_threads
 from draft_service.drafters import (
     Drafter,
     DrafterConfig,
@@ -438,7 +438,8 @@ class DraftServeConfig:
     threads: int | None = None  # torch CPU threads; None → 1 on a CPU, torch's default on a GPU
 
     def __post_init__(self) -> None:
-        check_threads(self.threads)
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
         if not self.token:

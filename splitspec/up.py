@@ -184,7 +184,7 @@ def model_dirs(models: Path, drafter: str) -> tuple[Path, Path | None]:
     return target, draft
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as sock:

@@ -35,7 +35,7 @@ from common.kv_pool import PagePool, remove_stale_shm_files
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
 from common.pool_transport import PoolExports, check_ipc_allocator, device_uuid, write_canary
 from common.sampling import SamplingSpec, make_generator
-from common.threads import apply_threads, check_threads
+from common.threads import apply_threads
 from common.weights import resolve_model_path
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import (
@@ -92,7 +92,6 @@ class EngineConfig:
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
 
     def __post_init__(self) -> None:
-        check_threads(self.threads)
         if self.drafter and not self.internal_token:
             raise ValueError("a drafter needs the internal token (SPLITSPEC_INTERNAL_TOKEN or --internal-token-file)")
         if self.num_speculative_tokens < 0:
@@ -106,11 +105,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        disable_at = self.speculative_disable_batch_size
-        if disable_at is not None and disable_at <= 0:
-            raise ValueError(f"speculative_disable_batch_size must be positive, got {disable_at}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        for name in ("max_model_len", "speculative_disable_batch_size", "threads"):  # None: unset
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {self.attention_backend!r}")
 

@@ -56,7 +56,7 @@ class Speculator:
     def lookahead(self, running: list[Sequence]) -> dict[int, int]:
         """Draft slots to reserve for each decoding sequence the drafter follows.
 
-        None while the batch is at `disable_batch_size` or more: verifying K+1 tokens for
+        Nothing while the batch is at `disable_batch_size` or more: verifying K+1 tokens for
         every sequence of a large batch costs more than the drafts save. The drafter still
         receives every sequence's context, so drafting resumes as soon as the batch shrinks."""
         if self.disable_batch_size is not None and len(running) >= self.disable_batch_size:

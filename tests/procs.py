@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.kv_pool import SHM_PREFIX, SHM_SUFFIX
+from splitspec.up import free_port  # noqa: F401 (tests import it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
@@ -87,14 +88,6 @@ class Service:
 def pool_files(shm_dir: Path) -> list[Path]:
     """The KV pool files in `shm_dir` (a server must leave none behind)."""
     return sorted(shm_dir.glob(f"{SHM_PREFIX}*{SHM_SUFFIX}"))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_tokens(address: str, request, timeout: float = 120.0):
