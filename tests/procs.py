@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -95,13 +99,41 @@ def stream_tokens(address: str, request, timeout: float = 120.0):
     from splitspec.v1 import generation_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as channel:
-        tokens, complete = [], None
-        for response in pb_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
-            if response.HasField("chunk"):
-                tokens.extend(response.chunk.token_ids)
-            else:
-                complete = response.complete
-        return tokens, complete
+        return collect_stream(pb_grpc.GenerationStub(channel), request, timeout)
+
+
+def collect_stream(stub, request, timeout: float = 120.0):
+    """One Generate on `stub`; (token ids, Complete or None if the stream ended without one)."""
+    tokens, complete = [], None
+    for response in stub.Generate(request, timeout=timeout):
+        if response.HasField("chunk"):
+            tokens.extend(response.chunk.token_ids)
+        else:
+            complete = response.complete
+    return tokens, complete
+
+
+def private_shm_dir() -> Path:
+    """A private folder for pool files, under /dev/shm where the host has one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
+
+
+@contextlib.contextmanager
+def served_target(model: Path, log_path: Path, *args: str) -> Iterator[Service]:
+    """A target process on a private shm dir, SERVING; on exit it must stop cleanly and
+    leave no pool file behind."""
+    shm = private_shm_dir()
+    proc = Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(shm), *args],
+                   log_path)
+    try:
+        proc.wait_serving()
+        yield proc
+        assert proc.stop() == 0, proc.log()
+        assert not list(shm.iterdir()), "the pool file outlived the server"
+    finally:
+        proc.kill()
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def server_info(address: str):

@@ -22,8 +22,15 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, free_port, scrape_metrics, server_info, stream_tokens, wait_idle
-from tests.test_server import private_shm_dir
+from tests.procs import (
+    Service,
+    free_port,
+    private_shm_dir,
+    scrape_metrics,
+    server_info,
+    stream_tokens,
+    wait_idle,
+)
 from tests.test_speculative_faults import wait_drafter
 from tests.tiny_models import PROMPTS, make_qwen3
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections import Counter
 from dataclasses import dataclass
 
@@ -24,8 +23,7 @@ from hypothesis import strategies as st
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, wait_idle
-from tests.test_server import private_shm_dir
+from tests.procs import Service, served_target, wait_idle
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow
@@ -52,20 +50,10 @@ def target(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fuzz")
     model = make_qwen3(root / "model")
-    shm = private_shm_dir()
-    proc = Service("target_service.cli", [
-        "--model", str(model), "--port", "0", "--shm-dir", str(shm), "--num-pages", "128", "--page-size", "16",
-        "--max-num-batched-tokens", "512", "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
-    ], root / "target.log")
-    try:
-        address = proc.wait_serving()
+    with served_target(model, root / "target.log", "--num-pages", "128", "--page-size", "16",
+                       "--max-num-batched-tokens", "512", "--default-max-tokens", str(DEFAULT_MAX_TOKENS)) as proc:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        yield Target(address, tokenizer, len(tokenizer), proc)
-        assert proc.stop() == 0, proc.log()
-        assert not list(shm.iterdir()), "the pool file outlived the server"
-    finally:
-        proc.kill()
-        shutil.rmtree(shm, ignore_errors=True)
+        yield Target(proc.address, tokenizer, len(tokenizer), proc)
 
 
 # ---------------------------------------------------------------- strategies

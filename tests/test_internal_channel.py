@@ -27,8 +27,8 @@ from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import REPO_ROOT, TOKEN, Service
-from tests.test_server import _client_cmd, private_shm_dir
+from tests.procs import REPO_ROOT, TOKEN, Service, private_shm_dir
+from tests.test_server import _client_cmd
 from tests.tiny_models import PROMPTS, make_qwen3
 
 MiB = 1 << 20

@@ -12,7 +12,6 @@ refusal is RESOURCE_EXHAUSTED, which the paced overload checks.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
 from collections import Counter
@@ -22,8 +21,13 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, rss_kib, server_info, stream_tokens, wait_idle
-from tests.test_server import private_shm_dir
+from tests.procs import (
+    rss_kib,
+    served_target,
+    server_info,
+    stream_tokens,
+    wait_idle,
+)
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow
@@ -38,20 +42,9 @@ RSS_GROWTH_BOUND_KIB = 16 * 1024
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("overload")
-    model = make_qwen3(root / "model")
-    shm = private_shm_dir()
-    proc = Service("target_service.cli", [
-        "--model", str(model), "--port", "0", "--shm-dir", str(shm), "--num-pages", "256", "--page-size", "16",
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING),
-    ], root / "target.log")
-    try:
-        proc.wait_serving()
+    with served_target(make_qwen3(root / "model"), root / "target.log", "--num-pages", "256", "--page-size", "16",
+                       "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING)) as proc:
         yield proc
-        assert proc.stop() == 0, proc.log()
-        assert not list(shm.iterdir()), "the pool file outlived the server"
-    finally:
-        proc.kill()
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 async def _one(stub, i: int) -> str:

@@ -10,13 +10,11 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -36,7 +34,7 @@ from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service import convert
 from target_service.api_types import FinishReason
 from target_service.server import ERRORS, SERVICE_NAME, EngineSlot
-from tests.procs import REPO_ROOT, Service, pool_files
+from tests.procs import REPO_ROOT, Service, pool_files, private_shm_dir
 from tests.tiny_models import PROMPTS, make_qwen3
 
 NUM_PAGES = 512
@@ -70,12 +68,6 @@ def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model)
-
-
-def private_shm_dir() -> Path:
-    """A private folder for pool files, under /dev/shm where the host has one."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    return Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
 
 
 @pytest.fixture

@@ -23,8 +23,7 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, free_port, rss_kib, stream_tokens, wait_idle
-from tests.test_server import private_shm_dir
+from tests.procs import Service, collect_stream, free_port, private_shm_dir, rss_kib, stream_tokens, wait_idle
 from tests.test_speculative_faults import wait_drafter
 from tests.tiny_models import PROMPTS, make_qwen3
 
@@ -87,14 +86,14 @@ class Load:
 
     def _greedy(self, stub, rng) -> None:
         key = (rng.randrange(len(PROMPTS)), rng.choice([SHORT, LONG]))
-        tokens, complete = self._collect(stub, request(PROMPTS[key[0]], key[1]))
+        tokens, complete = collect_stream(stub, request(PROMPTS[key[0]], key[1]))
         wrong = None if tokens == self.reference[key] else f"greedy {key}: tokens differ from target-only"
         self._note("failed" if wrong else "greedy", wrong, complete.usage.num_drafts)
 
     def _sampled(self, stub, rng) -> None:
         max_tokens = rng.choice([SHORT, LONG])
         msg = request(rng.choice(PROMPTS), max_tokens, temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(2**31))
-        tokens, complete = self._collect(stub, msg)
+        tokens, complete = collect_stream(stub, msg)
         ok = len(tokens) == max_tokens and complete.finish_reason == pb.FINISH_REASON_LENGTH
         self._note("sampled" if ok else "failed", None if ok else f"sampled: {complete}", complete.usage.num_drafts)
 
@@ -107,23 +106,13 @@ class Load:
 
     def _deadline(self, stub, rng) -> None:
         try:
-            self._collect(stub, request(rng.choice(PROMPTS), LONG * 4), timeout=rng.uniform(0.05, 1.0))
+            collect_stream(stub, request(rng.choice(PROMPTS), LONG * 4), timeout=rng.uniform(0.05, 1.0))
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
             self._note("deadline")
             return
         self._note("deadline_met")
-
-    @staticmethod
-    def _collect(stub, msg, timeout: float = 120) -> tuple[list[int], pb.Complete]:
-        tokens, complete = [], None
-        for response in stub.Generate(msg, timeout=timeout):
-            if response.HasField("chunk"):
-                tokens.extend(response.chunk.token_ids)
-            else:
-                complete = response.complete
-        return tokens, complete
 
 
 def test_soak_with_random_drafter_restarts(tmp_path):

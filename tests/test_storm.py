@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,8 +20,7 @@ from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service.api_types import EngineRequest, StopParams
 from target_service.engine import AsyncEngine, EngineConfig, build_engine_core
-from tests.procs import Service, rss_kib, wait_idle
-from tests.test_server import private_shm_dir
+from tests.procs import collect_stream, rss_kib, served_target, wait_idle
 from tests.tiny_models import PROMPTS, make_qwen3
 
 NUM_DOOMED = 500
@@ -36,19 +34,10 @@ MODEL_LEN = 1024
 def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("storm")
     model = make_qwen3(root / "model", max_position_embeddings=MODEL_LEN)
-    shm = private_shm_dir()
-    proc = Service("target_service.cli", [
-        "--model", str(model), "--port", "0", "--shm-dir", str(shm), "--num-pages", "1024", "--page-size", "16",
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "256", "--max-waiting", "1024",
-    ], root / "target.log")
-    try:
-        proc.wait_serving()
+    args = ("--num-pages", "1024", "--page-size", "16", "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--max-num-batched-tokens", "256", "--max-waiting", "1024")
+    with served_target(model, root / "target.log", *args) as proc:
         yield proc
-        assert proc.stop() == 0, proc.log()
-        assert not list(shm.iterdir()), "the pool file outlived the server"
-    finally:
-        proc.kill()
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def survivor_requests() -> list[pb.GenerateRequest]:
@@ -60,16 +49,6 @@ def survivor_requests() -> list[pb.GenerateRequest]:
             msg.sampling.temperature, msg.sampling.top_p, msg.sampling.seed = 0.9, 0.95, 100 + i
         out.append(msg)
     return out
-
-
-def collect(stub, msg, timeout: float = 120) -> tuple[list[int], pb.Complete | None]:
-    tokens, complete = [], None
-    for response in stub.Generate(msg, timeout=timeout):
-        if response.HasField("chunk"):
-            tokens.extend(response.chunk.token_ids)
-        else:
-            complete = response.complete
-    return tokens, complete
 
 
 class Doomed:
@@ -91,7 +70,7 @@ class Doomed:
         """How it ended, e.g. 'CANCELLED' or 'ABORT'."""
         if self.way == "deadline":
             try:
-                collect(stub, self.msg, timeout=self.deadline)
+                collect_stream(stub, self.msg, timeout=self.deadline)
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
                 return "DEADLINE_EXCEEDED"
@@ -120,7 +99,7 @@ def test_cancellation_storm_leaks_nothing_and_leaves_survivors_unchanged(target)
     channel = grpc.insecure_channel(target.address)
     stub = pb_grpc.GenerationStub(channel)
     survivors = survivor_requests()
-    solo = [collect(stub, msg) for msg in survivors]
+    solo = [collect_stream(stub, msg) for msg in survivors]
     rss_before = rss_kib(target.proc.pid)
 
     doomed = [Doomed(i, rng) for i in range(NUM_DOOMED)]
@@ -130,8 +109,7 @@ def test_cancellation_storm_leaks_nothing_and_leaves_survivors_unchanged(target)
         tasks.insert(k * NUM_DOOMED // len(survivors) + k, msg)
     started = time.monotonic()
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        futures = [pool.submit(t.run if isinstance(t, Doomed) else collect, stub, *(() if isinstance(t, Doomed)
-                                                                                    else (t,)))
+        futures = [pool.submit(t.run, stub) if isinstance(t, Doomed) else pool.submit(collect_stream, stub, t)
                    for t in tasks]
         results = [f.result() for f in futures]
     storm_s = time.monotonic() - started
@@ -149,7 +127,7 @@ def test_cancellation_storm_leaks_nothing_and_leaves_survivors_unchanged(target)
     reuse = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), request_id=d.msg.request_id,
                                 stop=pb.StopParams(max_tokens=1)) for d in doomed]
     with ThreadPoolExecutor(16) as pool:
-        assert all(c.finish_reason == pb.FINISH_REASON_LENGTH for _, c in pool.map(lambda m: collect(stub, m), reuse))
+        assert all(c.finish_reason == pb.FINISH_REASON_LENGTH for _, c in pool.map(lambda m: collect_stream(stub, m), reuse))
     wait_idle(target.address, timeout=10)
     channel.close()
     print(f"\nstorm: {NUM_DOOMED} doomed + {len(survivors)} survivors in {storm_s:.1f} s at concurrency "

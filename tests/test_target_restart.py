@@ -24,8 +24,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, free_port, pool_files, scrape_metrics, server_info, stream_tokens, wait_idle
-from tests.test_server import private_shm_dir
+from tests.procs import (
+    Service,
+    free_port,
+    pool_files,
+    private_shm_dir,
+    scrape_metrics,
+    server_info,
+    stream_tokens,
+    wait_idle,
+)
 from tests.test_speculative_faults import wait_drafter
 from tests.tiny_models import PROMPTS, make_qwen3
 
