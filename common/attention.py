@@ -250,8 +250,7 @@ def _build_group(meta: AttentionMetadata, seqs: list[int], device: torch.device)
 
 
 def build_plan(meta: AttentionMetadata, page_size: int) -> _Plan:
-    if meta.page_size != page_size:
-        raise ValueError(f"attention metadata page_size {meta.page_size} != KV layout page_size {page_size}")
+    meta.check_page_size(page_size)
     device = meta.slot_mapping.device
     groups = [_build_group(meta, seqs, device) for seqs in _group_sequences(meta)]
     # One group without query padding that holds every token: its rows are 0..T-1 in order.

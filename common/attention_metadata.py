@@ -33,6 +33,11 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    def check_page_size(self, page_size: int) -> None:
+        """Every backend's plan: the metadata was built for the pool's pages."""
+        if self.page_size != page_size:
+            raise ValueError(f"attention metadata page_size {self.page_size} != KV layout page_size {page_size}")
+
     @classmethod
     def build(
         cls,

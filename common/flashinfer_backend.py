@@ -317,10 +317,7 @@ class FlashInferAttentionBackend:
     # -- per step -----------------------------------------------------------------------
 
     def plan(self, meta: AttentionMetadata) -> None:
-        if meta.page_size != self.layout.page_size:
-            raise ValueError(
-                f"attention metadata page_size {meta.page_size} != KV layout page_size {self.layout.page_size}"
-            )
+        meta.check_page_size(self.layout.page_size)
         host = build_plan_inputs(meta)
         device = meta.slot_mapping.device
         self._ensure_workspace(device)
