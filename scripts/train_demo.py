@@ -45,16 +45,10 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "demo"
 
-EOS = "<|endoftext|>"
-MASK = "<|mask|>"
-SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>", MASK]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 # Top-level stdlib modules never trained on: the held-out set of scripts/eval_demo.py.
 from splitspec.heldout import HELD_OUT  # noqa: E402  (one list for training, eval and bench)
+from splitspec.tokenizer import train_bpe_tokenizer  # noqa: E402
+
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data",
                  "__pycache__"}
 MAX_FILE_BYTES = 300_000  # generated tables and data blobs are not code worth learning
@@ -171,34 +165,6 @@ def read_text(path: Path) -> str:
 
 # ---------------------------------------------------------------------------------------
 # Tokenizer
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token=EOS,
-        mask_token=MASK,
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 1 << 30
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out_dir)
-    return fast
 
 
 def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -550,7 +516,7 @@ def run(sizes: Sizes, out: Path) -> dict:
     history["train_files"] = len(train_files)
     history["train_megabytes"] = round(sum(len(s) for s in texts) / 1e6, 2)
     history["held_out_files"] = [str(p.relative_to(stdlib_dir())) for p in held]
-    tokenizer = train_tokenizer(texts, sizes.vocab_size, tmp / "tokenizer")
+    tokenizer = train_bpe_tokenizer(texts, sizes.vocab_size, tmp / "tokenizer")
     stream = token_stream(tokenizer, texts)
     history["train_tokens"] = stream.numel()
     log(f"corpus: {len(texts)} files, {history['train_megabytes']} MB, {stream.numel()} tokens")

@@ -12,11 +12,7 @@ from pathlib import Path
 
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+from splitspec.tokenizer import train_bpe_tokenizer
 
 
 def _training_text() -> list[str]:
@@ -29,30 +25,7 @@ def _training_text() -> list[str]:
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 512):
     """A byte-level BPE tokenizer that `AutoTokenizer.from_pretrained(out_dir)` loads."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_training_text(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        mask_token="<|mask|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out_dir)
-    return fast
+    return train_bpe_tokenizer(_training_text(), vocab_size, out_dir)
 
 
 def qwen3_config(vocab_size: int, **overrides):
