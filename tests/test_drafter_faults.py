@@ -25,7 +25,6 @@ from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from tests.procs import (
     Service,
     free_port,
-    private_shm_dir,
     scrape_metrics,
     server_info,
     stream_tokens,
@@ -51,15 +50,6 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
     draft = root / "draft"
     shutil.copytree(target, draft)
     return target, draft
-
-
-@pytest.fixture
-def shm():
-    path = private_shm_dir()
-    yield path
-    leftovers = list(path.iterdir())
-    shutil.rmtree(path, ignore_errors=True)
-    assert not leftovers, f"files left in the shm dir: {leftovers}"
 
 
 def start_target(model: Path, shm_dir: Path, log: Path, drafter: str, *extra: str) -> Service:
@@ -97,7 +87,7 @@ def metric(port: int, name: str) -> float:
     return scrape_metrics(port).get(name, 0.0)
 
 
-def test_slow_and_hung_drafter_fall_back_then_recover(models, shm, tmp_path):
+def test_slow_and_hung_drafter_fall_back_then_recover(models, shm_dir, tmp_path):
     target_model, draft_model = models
     drafter = Service("draft_service.cli", ["--model", str(draft_model), "--port", "0",
                                             "--num-speculative-tokens", "4"], tmp_path / "drafter.log")
@@ -105,7 +95,7 @@ def test_slow_and_hung_drafter_fall_back_then_recover(models, shm, tmp_path):
     try:
         drafter.wait_serving()
         metrics_port = free_port()
-        target = start_target(target_model, shm, tmp_path / "target.log", drafter.address,
+        target = start_target(target_model, shm_dir, tmp_path / "target.log", drafter.address,
                               "--drafter-timeout-s", str(DRAFTER_TIMEOUT_S), "--metrics-port", str(metrics_port))
         address = target.wait_serving()
         wait_drafter(address, READY)
@@ -184,7 +174,7 @@ def test_slow_and_hung_drafter_fall_back_then_recover(models, shm, tmp_path):
         drafter.kill()
 
 
-def test_garbage_drafts_are_counted_and_never_change_the_output(models, shm, tmp_path):
+def test_garbage_drafts_are_counted_and_never_change_the_output(models, shm_dir, tmp_path):
     target_model, _ = models
     stats_file = tmp_path / "garbage.json"
     drafter = Service("tests.garbage_drafter", ["--port", "0", "--stats-file", str(stats_file)],
@@ -193,7 +183,7 @@ def test_garbage_drafts_are_counted_and_never_change_the_output(models, shm, tmp
     try:
         drafter.wait_serving()
         metrics_port = free_port()
-        target = start_target(target_model, shm, tmp_path / "target.log", drafter.address,
+        target = start_target(target_model, shm_dir, tmp_path / "target.log", drafter.address,
                               "--drafter-timeout-s", "10", "--metrics-port", str(metrics_port))
         address = target.wait_serving()
         info = wait_drafter(address, READY)

@@ -70,15 +70,6 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-@pytest.fixture
-def shm_dir():
-    path = private_shm_dir()
-    yield path
-    leftovers = list(path.iterdir())
-    shutil.rmtree(path, ignore_errors=True)
-    assert not leftovers, f"files left in the shm dir: {leftovers}"
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     shm = private_shm_dir()
