@@ -8,7 +8,7 @@ import torch
 
 from common.attention_metadata import AttentionMetadata
 from common.sampling import SamplingSpec
-from common.spec_decode import verify_tokens
+from target_service.spec_decode import verify_tokens
 from target_service.scheduler import ScheduledSeq
 
 

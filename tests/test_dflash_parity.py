@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
-from common.dflash import (
+from draft_service.dflash_model import (
     DFlashConfig,
     DFlashConfigError,
     DFlashDraftModel,

@@ -296,7 +296,7 @@ def test_dflash_blocks_match_the_torch_backend(order, kv_dtype):
     """The DFlash drafter's context writes and non-causal query blocks, batched, both backends."""
     from transformers import Qwen3Config
 
-    from common.dflash import DFlashDraftModel, TargetHeads
+    from draft_service.dflash_model import DFlashDraftModel, TargetHeads
     from common.qwen3 import Qwen3ForCausalLM
     from tests.tiny_models import qwen3_config
 

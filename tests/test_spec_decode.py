@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.sampling import SamplingSpec, make_generator
-from common.spec_decode import accept_greedy, rejection_sample, verify_tokens
+from target_service.spec_decode import accept_greedy, rejection_sample, verify_tokens
 
 # chi-square critical values at significance 0.001
 CHI2_CRIT = {4: 18.467, 24: 51.179}

@@ -1,4 +1,4 @@
-"""The DFlash block drafter (common/dflash.py) on the shared pool.
+"""The DFlash block drafter (draft_service/dflash_model.py) on the shared pool.
 
 Per sequence and step, the target hands over the hidden states of its new context
 tokens (layers `target_layer_ids`, concatenated) in rows of the staging buffer; the
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from common.attention_metadata import AttentionMetadata
-from common.dflash import DFlashDraftModel, TargetHeads
+from draft_service.dflash_model import DFlashDraftModel, TargetHeads
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from common.weights import load_config, resolve_model_path, safetensors_files

@@ -674,7 +674,7 @@ def step_times(args: argparse.Namespace, budget: Budget, device, kernels=None) -
     stand-in for flashinfer)."""
     import torch
 
-    from common.dflash import DFlashDraftModel, TargetHeads, build_target_layer_ids
+    from draft_service.dflash_model import DFlashDraftModel, TargetHeads, build_target_layer_ids
     from common.flashinfer_backend import FlashInferAttentionBackend
     from common.kv_layout import StagingSpec, build_layout
     from common.kv_pool import PagePool
