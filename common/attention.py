@@ -131,7 +131,7 @@ def read_kv_slots(
 
 def gather_kv_from_pages(
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [B, P] page ids
+    page_table: torch.Tensor,  # [B, P] page ids
     *,
     order: str,
     dtype: torch.dtype,
@@ -140,8 +140,8 @@ def gather_kv_from_pages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's pages, dequantized, as [B, H, P * ps, D] views of one gathered copy per
     plane (the gather lays pages out so the token axis is contiguous; SDPA takes the view)."""
-    num_seqs, num_pages = block_table.shape
-    flat = block_table.reshape(-1).long()  # [B*P]
+    num_seqs, num_pages = page_table.shape
+    flat = page_table.reshape(-1).long()  # [B*P]
     k_plane, v_plane = _key_value_planes(kv_cache, order)
     return tuple(
         dequantize(_gather_plane(plane, flat, num_seqs, num_pages, order), dtype, scale)
@@ -167,7 +167,7 @@ def _gather_plane(plane: torch.Tensor, flat: torch.Tensor, num_seqs: int, num_pa
 class _Group:
     """Sequences attended in one SDPA call, padded to the longest query and key span."""
 
-    block_table: torch.Tensor  # [B, P] page ids
+    page_table: torch.Tensor  # [B, P] page ids
     query_rows: torch.Tensor  # [B, Qmax] rows of the flat batch (pads repeat a real row)
     valid_rows: torch.Tensor  # [N] real rows of the flattened [B * Qmax] output
     token_rows: torch.Tensor  # [N] where those rows go in the flat output
@@ -216,7 +216,7 @@ def _build_group(meta: AttentionMetadata, seqs: list[int], device: torch.device)
     starts = torch.tensor([all_starts[b] for b in seqs], dtype=torch.long)  # [B] first flat row
     max_q, kv_len = int(q_lens.max()), int(s_lens.max())
     num_pages = (kv_len + page_size - 1) // page_size
-    table = [meta.block_tables[b][:num_pages] for b in seqs]
+    table = [meta.page_tables[b][:num_pages] for b in seqs]
     table = [t + [0] * (num_pages - len(t)) for t in table]
 
     q_idx = torch.arange(max_q)  # [Qmax]
@@ -239,7 +239,7 @@ def _build_group(meta: AttentionMetadata, seqs: list[int], device: torch.device)
             mask = mask.expand(len(seqs), max_q, kv_len)
         mask = mask.unsqueeze(1).to(device)  # [B, 1, Qmax, S]
     return _Group(
-        block_table=torch.tensor(table, dtype=torch.long, device=device).view(len(seqs), num_pages),
+        page_table=torch.tensor(table, dtype=torch.long, device=device).view(len(seqs), num_pages),
         query_rows=rows.to(device),
         valid_rows=valid.to(device),
         token_rows=rows.reshape(-1)[valid].to(device),
@@ -346,7 +346,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = gather_kv_from_pages(
             kv_cache,
-            group.block_table,
+            group.page_table,
             order=self.layout.order,
             dtype=q.dtype,
             k_scale=spec.k_scale,

@@ -2,7 +2,7 @@
 
 The batch is token-flat: sequence b owns query rows
 `query_start_loc[b] : query_start_loc[b + 1]`, its KV after this step's writes spans
-`seq_lens[b]` tokens in the pages `block_tables[b]`, and its queries sit at the last
+`seq_lens[b]` tokens in the pages `page_tables[b]`, and its queries sit at the last
 `query_lens[b]` positions of that span.
 """
 
@@ -17,10 +17,10 @@ import torch
 class AttentionMetadata:
     query_lens: list[int]  # per sequence
     seq_lens: list[int]  # per sequence: KV length after this step's writes (includes the queries)
-    block_tables: list[list[int]]  # per sequence: page ids covering seq_lens
+    page_tables: list[list[int]]  # per sequence: page ids covering seq_lens
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens_tensor: torch.Tensor  # [B] int32
-    block_table_tensor: torch.Tensor  # [B, max_pages] int32, padded with 0
+    page_table_tensor: torch.Tensor  # [B, max_pages] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset of each query token's KV
     page_size: int
     causal: bool = True  # False for DFlash query blocks: each block sees all of itself
@@ -44,33 +44,33 @@ class AttentionMetadata:
         *,
         query_lens: list[int],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        page_tables: list[list[int]],
         page_size: int,
         device: torch.device,
         causal: bool = True,
     ) -> AttentionMetadata:
-        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        if not (len(query_lens) == len(seq_lens) == len(page_tables)):
+            raise ValueError("query_lens, seq_lens and page_tables must have one entry per sequence")
         slots: list[int] = []
-        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+        for q_len, s_len, table in zip(query_lens, seq_lens, page_tables):
             if q_len > s_len:
                 raise ValueError(f"query length {q_len} exceeds sequence length {s_len}")
             if len(table) * page_size < s_len:
-                raise ValueError(f"block table of {len(table)} pages cannot hold {s_len} tokens")
+                raise ValueError(f"page table of {len(table)} pages cannot hold {s_len} tokens")
             for pos in range(s_len - q_len, s_len):
                 slots.append(table[pos // page_size] * page_size + pos % page_size)
-        max_pages = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (max_pages - len(t)) for t in block_tables]
+        max_pages = max((len(t) for t in page_tables), default=0)
+        padded = [t + [0] * (max_pages - len(t)) for t in page_tables]
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
         return cls(
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
-            block_tables=[list(t) for t in block_tables],
+            page_tables=[list(t) for t in page_tables],
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table_tensor=torch.tensor(padded, dtype=torch.int32, device=device).view(len(block_tables), max_pages),
+            page_table_tensor=torch.tensor(padded, dtype=torch.int32, device=device).view(len(page_tables), max_pages),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             page_size=page_size,
             causal=causal,

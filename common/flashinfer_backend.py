@@ -124,10 +124,10 @@ def build_plan_inputs(meta: AttentionMetadata) -> PagedPlanInputs:
     """From the metadata's host lists: each sequence's first ceil(seq_len / page_size) pages."""
     page_size = meta.page_size
     kv_indptr, indices, last_lens, batch_indices, positions = [0], [], [], [], []
-    for b, (q_len, s_len, table) in enumerate(zip(meta.query_lens, meta.seq_lens, meta.block_tables)):
+    for b, (q_len, s_len, table) in enumerate(zip(meta.query_lens, meta.seq_lens, meta.page_tables)):
         num_pages = -(-s_len // page_size)
         if len(table) < num_pages:
-            raise ValueError(f"sequence {b}: block table of {len(table)} pages cannot hold {s_len} tokens")
+            raise ValueError(f"sequence {b}: page table of {len(table)} pages cannot hold {s_len} tokens")
         indices.extend(table[:num_pages])
         kv_indptr.append(len(indices))
         last_lens.append(s_len - (num_pages - 1) * page_size if num_pages else 0)

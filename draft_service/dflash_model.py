@@ -223,7 +223,7 @@ def block_positions(context_lens: Sequence[int], num_tokens: int, device: torch.
 
 def block_metadata(
     context_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
+    page_tables: Sequence[Sequence[int]],
     num_tokens: int,
     page_size: int,
     device: torch.device,
@@ -233,7 +233,7 @@ def block_metadata(
     return AttentionMetadata.build(
         query_lens=[num_tokens + 1] * len(context_lens),
         seq_lens=[p + num_tokens + 1 for p in context_lens],
-        block_tables=[list(t) for t in block_tables],
+        page_tables=[list(t) for t in page_tables],
         page_size=page_size,
         device=device,
         causal=causal,
@@ -361,18 +361,18 @@ class DFlashDraftModel(nn.Module):
         self,
         last_token_ids: torch.Tensor,  # [B] long: each sequence's newest token, at position p
         context_lens: Sequence[int],  # [B] p: context tokens already written (= last token's position)
-        block_tables: Sequence[Sequence[int]],  # [B] page ids covering p + K + 1 slots
+        page_tables: Sequence[Sequence[int]],  # [B] page ids covering p + K + 1 slots
         kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],  # index = draft layer
         backend: AttentionBackend,
         num_tokens: int | None = None,  # K; defaults to block_size - 1
     ) -> DraftProposal:
         """Greedy draft tokens [B, K] and their logits [B, K, V], batched over sequences."""
         k_draft = self.num_speculative_tokens if num_tokens is None else num_tokens
-        self._check_propose_args(last_token_ids, context_lens, block_tables, k_draft)
+        self._check_propose_args(last_token_ids, context_lens, page_tables, k_draft)
         layout: KVLayout = backend.layout
         device = last_token_ids.device
         backend.plan(
-            block_metadata(context_lens, block_tables, k_draft, layout.page_size, device, self.dflash.causal)
+            block_metadata(context_lens, page_tables, k_draft, layout.page_size, device, self.dflash.causal)
         )
         ids = block_token_ids(last_token_ids.long(), k_draft, self.dflash.mask_token_id)  # [B, K + 1]
         hidden = self.target.embed(ids.reshape(-1)).to(self.dtype)  # [T, hidden], T = B * (K + 1)
@@ -393,17 +393,17 @@ class DFlashDraftModel(nn.Module):
         self,
         last_token_ids: torch.Tensor,
         context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        page_tables: Sequence[Sequence[int]],
         k_draft: int,
     ) -> None:
         if not 1 <= k_draft <= self.num_speculative_tokens:
             raise ValueError(
                 f"propose: num_tokens must be in 1..{self.num_speculative_tokens}, got {k_draft}"
             )
-        if last_token_ids.shape != (len(context_lens),) or len(block_tables) != len(context_lens):
+        if last_token_ids.shape != (len(context_lens),) or len(page_tables) != len(context_lens):
             raise ValueError(
                 f"propose: {tuple(last_token_ids.shape)} last tokens, {len(context_lens)} context lengths "
-                f"and {len(block_tables)} block tables must agree"
+                f"and {len(page_tables)} page tables must agree"
             )
         if any(p < 1 for p in context_lens):
             raise ValueError(

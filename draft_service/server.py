@@ -348,16 +348,16 @@ class DrafterHost:
 
     @staticmethod
     def _validate_pages(drafter: Drafter, layout: KVLayout, u: Update, where: str) -> None:
-        """The block table of an in-sync sequence must cover its context tokens."""
+        """The page table of an in-sync sequence must cover its context tokens."""
         if u.context_start == 0:
             num_pages = len(u.new_pages)
         elif (seq := drafter.sequences.get(u.seq_id)) is not None and seq.context_len == u.context_start:
-            num_pages = len(seq.block_table) + len(u.new_pages)
+            num_pages = len(seq.page_table) + len(u.new_pages)
         else:
             return  # out of sync: it will be dropped, not read
         needed = u.context_start + len(u.context_token_ids)
         if num_pages * layout.page_size < needed:
-            message = f"the block table's {num_pages} pages hold fewer than the {needed} context tokens"
+            message = f"the page table's {num_pages} pages hold fewer than the {needed} context tokens"
             raise InvalidArgumentError(f"{where}.new_pages", message)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """The target engine: a synchronous core that steps the batch, and an asyncio front.
 
-`EngineCore` owns the scheduler, the block manager and the model runner and is only
+`EngineCore` owns the scheduler, the page manager and the model runner and is only
 ever touched by one thread at a time. `AsyncEngine` queues admissions and aborts from
 the event loop and applies them between steps, so new requests join the next step and a
 cancelled request's pages are free within one step.
@@ -48,7 +48,7 @@ from target_service.api_types import (
     ShuttingDownError,
     StopParams,
 )
-from target_service.block_manager import BlockManager
+from target_service.page_manager import PageManager
 from target_service.detokenizer import IncrementalDetokenizer
 from target_service.drafter_link import (
     DrafterFacts,
@@ -172,10 +172,10 @@ class EngineCore:
         self.runner = runner
         self.pool = pool
         self.model_info = model_info
-        self.block_manager = BlockManager(pool.layout.num_pages, pool.layout.page_size)
+        self.page_manager = PageManager(pool.layout.num_pages, pool.layout.page_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_info.max_model_len),
-            self.block_manager,
+            self.page_manager,
         )
         self.speculator = (Speculator(link, config.num_speculative_tokens, model_info.max_model_len,
                                       model_info.vocab_size, config.speculative_disable_batch_size)
@@ -381,8 +381,8 @@ class EngineCore:
         """Replace the (idle) pool with one planned for `layout`."""
         self.pool.close()
         self.pool = PagePool.create(layout, self.runner.device, self.config.cache.shm_dir)
-        self.block_manager = BlockManager(layout.num_pages, layout.page_size)
-        self.scheduler.block_manager = self.block_manager
+        self.page_manager = PageManager(layout.num_pages, layout.page_size)
+        self.scheduler.page_manager = self.page_manager
         install_runner_pool(self.runner, self.pool, self.model.num_layers)
 
     def warmup(self) -> None:
@@ -661,8 +661,8 @@ class AsyncEngine:
         core = self._core
         return {
             "kv_layout": core.layout,
-            "num_pages": core.block_manager.num_pages,
-            "free_pages": core.block_manager.num_free_pages,
+            "num_pages": core.page_manager.num_pages,
+            "free_pages": core.page_manager.num_free_pages,
             "running": core.num_running,
             "waiting": core.num_waiting + len(self._pending_adds),
             "drafter": core.link.describe() if core.link else {"state": "none", "address": ""},

@@ -114,7 +114,7 @@ class EngineStateCollector(Collector):
 
     def collect(self):
         core = self._core
-        bm = core.block_manager
+        bm = core.page_manager
         yield _gauge("splitspec_requests_running", "Sequences in the running batch.", core.num_running)
         yield _gauge("splitspec_requests_waiting", "Requests waiting for admission.", core.num_waiting)
         yield _gauge("splitspec_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1).", bm.usage)

@@ -50,7 +50,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=[s.seq.num_computed_tokens + q for s, q in zip(scheduled, query_lens)],
-            block_tables=[s.seq.block_table for s in scheduled],
+            page_tables=[s.seq.page_table for s in scheduled],
             page_size=self.page_size,
             device=self.device,
         )

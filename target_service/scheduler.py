@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from target_service.block_manager import BlockManager
+from target_service.page_manager import PageManager
 from target_service.sequence import Sequence, SequenceStatus
 
 
@@ -57,9 +57,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, page_manager: PageManager) -> None:
         self.config = config
-        self.block_manager = block_manager
+        self.page_manager = page_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -77,7 +77,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.page_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self, lookahead: dict[int, int] | None = None) -> SchedulerOutput:
@@ -106,17 +106,17 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make pages for `seq`, preempting later-admitted sequences; False if seq itself went."""
-        while not self.block_manager.can_allocate(seq, num_tokens):
+        while not self.page_manager.can_allocate(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        self.block_manager.allocate(seq, num_tokens)
+        self.page_manager.allocate(seq, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.page_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -128,9 +128,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            if not self.page_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 break
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            self.page_manager.allocate(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -39,7 +39,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose KV sits in the pages
-    block_table: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -49,7 +49,7 @@ class Sequence:
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     drafter_epoch: int | None = None  # the handshake epoch whose drafter saw this sequence from its start
-    drafter_pages_sent: int = 0  # block-table entries the drafter already knows
+    drafter_pages_sent: int = 0  # page-table entries the drafter already knows
 
     @classmethod
     def from_request(cls, request: EngineRequest, seq_id: int) -> Sequence:

@@ -2,7 +2,7 @@
 
 After every forward, each sequence the drafter follows gets a `SequenceUpdate`: the
 tokens whose target KV now exists, the staging rows holding their hidden states, and
-the pages added to its block table. The next step's one batched `Propose` carries those
+the pages added to its page table. The next step's one batched `Propose` carries those
 updates (the staging rows are overwritten by that step's forward) together with the
 draft requests. A sequence is speculated only if the drafter of the current epoch saw it
 from position 0; any failure ends the epoch, so no half-delivered update is ever trusted.
@@ -137,8 +137,8 @@ class Speculator:
 
     @staticmethod
     def _attach_new_pages(update: dpb.SequenceUpdate, seq: Sequence) -> None:
-        update.new_pages.extend(seq.block_table[seq.drafter_pages_sent :])
-        seq.drafter_pages_sent = len(seq.block_table)
+        update.new_pages.extend(seq.page_table[seq.drafter_pages_sent :])
+        seq.drafter_pages_sent = len(seq.page_table)
 
     def record_step(self, scheduled: list[ScheduledSeq], drafts: dict[int, list[int]],
                     computed_before: list[int], row_starts: list[int]) -> None:

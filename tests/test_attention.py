@@ -78,7 +78,7 @@ class Harness:
         meta = AttentionMetadata.build(
             query_lens=[e - s for s, e in spans],
             seq_lens=[e for _, e in spans],
-            block_tables=self.tables,
+            page_tables=self.tables,
             page_size=PAGE_SIZE,
             device=torch.device("cpu"),
             causal=causal,

@@ -218,7 +218,7 @@ def write_chunks(
     meta = AttentionMetadata.build(
         query_lens=[end - start for _, start, end in chunks],
         seq_lens=[end for _, _, end in chunks],
-        block_tables=tables,
+        page_tables=tables,
         page_size=PAGE_SIZE,
         device=CPU,
     )

@@ -261,10 +261,10 @@ def test_ngram_lookup_prefers_longer_ngrams_and_the_most_recent_match():
 def test_sequence_bookkeeping_resets_appends_and_drops_out_of_sync():
     drafter = Drafter(CacheConfig())
     seq = drafter.update(Update(1, 0, (10, 11, 12), 13, new_pages=(4,)))
-    assert (seq.token_ids, seq.block_table, seq.context_len) == ([10, 11, 12, 13], [4], 3)
+    assert (seq.token_ids, seq.page_table, seq.context_len) == ([10, 11, 12, 13], [4], 3)
     seq.num_context, seq.scratch_token_ids = 4, [20, 21]  # a draft LM wrote KV for 13, then 20, 21
     seq = drafter.update(Update(1, 3, (13, 20), 30, new_pages=(5,)))
-    assert (seq.token_ids, seq.block_table, seq.num_context) == ([10, 11, 12, 13, 20, 30], [4, 5], 5)
+    assert (seq.token_ids, seq.page_table, seq.num_context) == ([10, 11, 12, 13, 20, 30], [4, 5], 5)
     assert drafter.update(Update(1, 3, (13,), 5)) is None and 1 not in drafter.sequences  # rewinds: dropped
     assert drafter.update(Update(2, 4, (1,), 2)) is None  # never seen from its first token
     seq = drafter.update(Update(3, 0, (1, 2), 3, new_pages=(7,)))

@@ -66,7 +66,7 @@ def test_batched_greedy_equals_transformers(model_dir, hf_greedy, tmp_path, orde
     for i, (_, ref) in enumerate(hf_greedy):
         assert tokens(outs[f"r{i}"]) == ref, f"prompt {i}"
         assert outs[f"r{i}"][-1].finish_reason is FinishReason.LENGTH
-    assert core.block_manager.num_free_pages == core.block_manager.num_pages
+    assert core.page_manager.num_free_pages == core.page_manager.num_pages
     core.close()
 
 
@@ -77,7 +77,7 @@ def test_chunked_prefill_and_preemption_do_not_change_output(model_dir, hf_greed
     assert sum(o[-1].usage.completion_tokens for o in outs.values()) == NEW_TOKENS * len(PROMPTS)
     for i, (_, ref) in enumerate(hf_greedy):
         assert tokens(outs[f"r{i}"]) == ref, f"prompt {i}"
-    assert core.block_manager.num_free_pages == 24
+    assert core.page_manager.num_free_pages == 24
     core.close()
 
 
@@ -161,9 +161,9 @@ def test_abort_frees_pages(model_dir, tmp_path):
     core = _core(model_dir, tmp_path)
     core.add(EngineRequest("a", tuple(range(5, 40)), stop=StopParams(max_tokens=50)))
     core.step()
-    assert core.block_manager.num_free_pages < core.block_manager.num_pages
+    assert core.page_manager.num_free_pages < core.page_manager.num_pages
     out = core.abort("a")
     assert out.finish_reason is FinishReason.ABORT
-    assert core.block_manager.num_free_pages == core.block_manager.num_pages
+    assert core.page_manager.num_free_pages == core.page_manager.num_pages
     assert core.abort("a") is None
     core.close()

@@ -1,7 +1,7 @@
 """The FlashInfer backend on a CPU: its plan inputs, and its orchestration over a model of the kernels.
 
 FlashInfer itself needs CUDA (tests/gpu/run_gpu_checks.py runs it). Here:
-- the plan inputs built from block tables (indptr, indices, last page lengths, append
+- the plan inputs built from page tables (indptr, indices, last page lengths, append
   positions) name exactly the slots the torch backend writes and reads, query by query,
   for prefill, chunked prefill, K+1 verify, decode, mixed batches and non-causal blocks;
 - the backend, driving `ReferenceKernels` (a pure-torch model of the FlashInfer calls it
@@ -59,7 +59,7 @@ def shuffled_tables(seq_lens: list[int], seed: int, spare: int = 1) -> tuple[lis
 
 def meta_for(spans: list[tuple[int, int]], tables: list[list[int]], causal: bool = True) -> AttentionMetadata:
     return AttentionMetadata.build(
-        query_lens=[e - s for s, e in spans], seq_lens=[e for _, e in spans], block_tables=tables,
+        query_lens=[e - s for s, e in spans], seq_lens=[e for _, e in spans], page_tables=tables,
         page_size=PAGE_SIZE, device=torch.device("cpu"), causal=causal,
     )
 
@@ -104,7 +104,7 @@ def torch_backend_walk(meta: AttentionMetadata) -> dict[int, list[int]]:
     seen: dict[int, list[int]] = {}
     for group in plan.groups:
         for bi in range(group.num_seqs):
-            table = group.block_table[bi].tolist()
+            table = group.page_table[bi].tolist()
             for qi in range(group.max_query):
                 row = int(group.query_rows[bi, qi])
                 if row in seen or (qi > 0 and row == int(group.query_rows[bi, qi - 1])):
@@ -320,7 +320,7 @@ def test_dflash_blocks_match_the_torch_backend(order, kv_dtype):
         backend = TorchAttentionBackend(layout) if name == "torch" else CpuFlashInfer(
             layout, kernels=ReferenceKernels(), workspace_bytes=1024)
         caches = {s.index: torch.zeros(layout.region_shape(s), dtype=layout.torch_dtype) for s in layout.layers}
-        meta = AttentionMetadata.build(query_lens=context_lens, seq_lens=context_lens, block_tables=tables,
+        meta = AttentionMetadata.build(query_lens=context_lens, seq_lens=context_lens, page_tables=tables,
                                        page_size=PAGE_SIZE, device=torch.device("cpu"))
         draft.write_context(features, positions, meta, caches, backend)
         proposals[name] = draft.propose(last, context_lens, tables, caches, backend, num_tokens=4)
@@ -394,7 +394,7 @@ def test_clear_errors():
                  "--attention-backend torch"):
         assert part in message
     with pytest.raises(ValueError, match="page_size"):
-        backend.plan(AttentionMetadata.build(query_lens=[1], seq_lens=[1], block_tables=[[1]], page_size=8,
+        backend.plan(AttentionMetadata.build(query_lens=[1], seq_lens=[1], page_tables=[[1]], page_size=8,
                                              device=torch.device("cpu")))
 
 

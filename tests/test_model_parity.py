@@ -165,7 +165,7 @@ class PagedRunner:
         meta = AttentionMetadata.build(
             query_lens=list(chunk_lens),
             seq_lens=[s.computed + n for s, n in zip(seqs, chunk_lens)],
-            block_tables=[s.table for s in seqs],
+            page_tables=[s.table for s in seqs],
             page_size=PAGE_SIZE,
             device=CPU,
         )

@@ -2,7 +2,7 @@
 
 A target sends, per sequence and per step, only what is new (`Update`, the plain mirror
 of `splitspec.v1.SequenceUpdate`): the context tokens whose target KV now exists, the
-newest sampled token, and pages appended to the block table. `Drafter.update` folds
+newest sampled token, and pages appended to the page table. `Drafter.update` folds
 that into a `DraftSequence`; a sequence whose update does not continue where the
 drafter left off is out of sync and is dropped (it finishes without speculation).
 
@@ -70,7 +70,7 @@ class Update:
 class DraftSequence:
     seq_id: int
     token_ids: list[int]  # context tokens, then the last token
-    block_table: list[int]
+    page_table: list[int]
     num_context: int = 0  # tokens whose draft-layer KV is written
     # Tokens whose draft KV was written, as scratch, at positions num_context, +1, ...
     # (a draft LM's own drafts); the prefix the target accepts stays valid.
@@ -93,8 +93,8 @@ class DraftSequence:
         return self.token_ids[-1]
 
     def capacity(self, page_size: int) -> int:
-        """Token slots the block table covers."""
-        return len(self.block_table) * page_size
+        """Token slots the page table covers."""
+        return len(self.page_table) * page_size
 
     def extend(self, update: Update) -> None:
         """Append an in-sync update (context_start == context_len)."""
@@ -102,7 +102,7 @@ class DraftSequence:
         if not update.context_token_ids and update.last_token_id != self.last_token_id:
             self.num_context = min(self.num_context, old_last)  # that position's KV is stale now
         self.token_ids[-1:] = [*update.context_token_ids, update.last_token_id]
-        self.block_table.extend(update.new_pages)
+        self.page_table.extend(update.new_pages)
         self._keep_accepted_scratch()
 
     def _keep_accepted_scratch(self) -> None:

@@ -144,7 +144,7 @@ class DFlashDrafter(PooledDrafter):
             proposal = self.model.propose(
                 torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.long, device=self.device),
                 [seq.context_len for seq in seqs],
-                [seq.block_table for seq in seqs],
+                [seq.page_table for seq in seqs],
                 self._kv_caches,
                 self._backend,
                 num_tokens=k,
@@ -161,7 +161,7 @@ class DFlashDrafter(PooledDrafter):
         meta = AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=[seq.num_context + n for (seq, _), n in zip(pending, query_lens)],
-            block_tables=[seq.block_table for seq, _ in pending],
+            page_tables=[seq.page_table for seq, _ in pending],
             page_size=self.layout.page_size,
             device=self.device,
         )

@@ -101,7 +101,7 @@ class DraftModelDrafter(PooledDrafter):
         meta = AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=seq_lens,
-            block_tables=[seq.block_table for seq in seqs],
+            page_tables=[seq.page_table for seq in seqs],
             page_size=self.layout.page_size,
             device=self.device,
         )

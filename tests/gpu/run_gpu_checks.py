@@ -413,7 +413,7 @@ def parity_case(device, order: str, kv_dtype: str, kernels=None) -> dict:
         adds = grow(None) if name == "mixed" else [grow(n) for n in PARITY_SEQS]
         spans = [(lens[b], lens[b] + adds[b]) for b in range(len(lens))]
         meta = AttentionMetadata.build(query_lens=[e - s for s, e in spans], seq_lens=[e for _, e in spans],
-                                       block_tables=tables, page_size=PARITY_PAGE, device=device, causal=causal)
+                                       page_tables=tables, page_size=PARITY_PAGE, device=device, causal=causal)
         tokens = meta.num_tokens
         q = (torch.randn(tokens, q_heads, dim, generator=gen) * 0.25).to(device, torch.bfloat16)
         k = torch.randn(tokens, kv_heads, dim, generator=gen).to(device, torch.bfloat16)
@@ -736,7 +736,7 @@ def _time_steps(args, budget: Budget, device, kernels, target, draft, layout, po
         return torch.randint(0, args.vocab_size - 1, (n,), device=device, generator=gen)
 
     def meta(q_len: int, s_len: int) -> AttentionMetadata:
-        return AttentionMetadata.build(query_lens=[q_len] * batch, seq_lens=[s_len] * batch, block_tables=tables,
+        return AttentionMetadata.build(query_lens=[q_len] * batch, seq_lens=[s_len] * batch, page_tables=tables,
                                        page_size=page, device=device)
 
     def positions(lo: int, hi: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ class OutOfPagesError(RuntimeError):
     pass
 
 
-class BlockManager:
+class PageManager:
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("num_pages and page_size must be positive")
@@ -34,7 +34,7 @@ class BlockManager:
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra pages `seq` needs so its table covers `num_tokens` tokens."""
         want = -(-num_tokens // self.page_size)
-        return max(0, want - len(seq.block_table))
+        return max(0, want - len(seq.page_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.pages_needed(seq, num_tokens) <= len(self._free)
@@ -46,11 +46,11 @@ class BlockManager:
         for _ in range(needed):
             page = self._free.popleft()
             self._owner[page] = seq.seq_id
-            seq.block_table.append(page)
+            seq.page_table.append(page)
 
     def free(self, seq: Sequence) -> None:
-        for page in seq.block_table:
+        for page in seq.page_table:
             if self._owner.pop(page, None) != seq.seq_id:
                 raise RuntimeError(f"page {page} freed by sequence {seq.request_id}, which does not own it")
             self._free.append(page)
-        seq.block_table.clear()
+        seq.page_table.clear()
