@@ -1,81 +1,33 @@
-"""The attention backend boundary, and the portable torch backend.
+"""The portable torch attention backend, and the page access it is built from.
 
-A backend is built once the KV layout is resolved. Each step the model runner calls
-`plan(meta)` once; every layer then calls `forward(q, k, v, kv_cache, spec, scale)`,
-which writes this step's K/V into the pages at `meta.slot_mapping` and attends over
-each sequence's pages.
+It implements `common.attention_backends.AttentionBackend`: `plan(meta)` once per step
+groups the sequences into padded SDPA calls; `forward` (per layer) writes this step's
+K/V into the pages at `meta.slot_mapping` and attends over each sequence's pages.
 
 Page formats (one layer region, see `common.kv_layout`):
   NHD: [num_pages, 2, page_size, H, D]      HND: [num_pages, 2, H, page_size, D]
-fp8 pages hold `value / scale` (clamped to the finite fp8 range); reads return
-`page * scale`. bf16/fp16/fp32 pages hold the value cast to the page dtype.
+Page values follow `common.kv_quant` (fp8 pages hold `value / scale`).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import KVLayout, LayerSpec
+from common.kv_quant import dequantize, quantize
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Sequences with at most this many queries in a step share one padded SDPA call;
 # longer ones (prefill chunks) run alone so that padding never multiplies their cost.
 BATCHED_QUERY_MAX = 32
-BACKEND_CHOICES = ("auto", "torch", "flashinfer")
-
-
-class AttentionBackend(Protocol):
-    name: str
-
-    @classmethod
-    def supported_orders(cls, device: torch.device) -> tuple[str, ...]: ...
-
-    @classmethod
-    def preferred_order(cls, device: torch.device) -> str: ...
-
-    def plan(self, meta: AttentionMetadata) -> None: ...
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # one layer region
-        spec: LayerSpec,
-        scale: float,
-    ) -> torch.Tensor: ...  # [T, Hq, D]
 
 
 # ---------------------------------------------------------------------------------------
-# Quantization and page access: small functions, shared with the drafter and the tests.
-
-
-def is_fp8_dtype(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
-
-
-def quantize(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Values → page dtype: fp8 stores clamp(x / scale); other dtypes store x cast."""
-    if not is_fp8_dtype(cache_dtype):
-        return x.to(cache_dtype)
-    limit = torch.finfo(cache_dtype).max
-    scaled = x.float() / scale if scale != 1.0 else x.float()
-    return scaled.clamp(-limit, limit).to(cache_dtype)
-
-
-def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Page values → compute dtype: fp8 reads page * scale; other dtypes are cast."""
-    out = x.to(dtype)
-    if is_fp8_dtype(x.dtype) and scale != 1.0:
-        out = out * scale
-    return out
+# Page access: small functions, shared with the drafter and the tests.
 
 
 def _key_value_planes(kv_cache: torch.Tensor, order: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,35 +315,3 @@ class TorchAttentionBackend:
                 "(was plan(meta) called for this step?)"
             )
         return self._plan
-
-
-def select_backend(
-    name: str,
-    device: torch.device,
-    *,
-    head_dims: tuple[int, ...] = (),
-    model_dtype: torch.dtype | None = None,
-    kv_dtype: torch.dtype | None = None,
-) -> type:
-    """The backend class for `--attention-backend` (auto | torch | flashinfer).
-
-    auto: FlashInfer on a CUDA device where `import flashinfer` works and its kernels fit the
-    model (head dims, model and KV dtypes, when given), else torch, with a warning saying why.
-    flashinfer: the same conditions, as a ValueError naming what to change."""
-    if name not in BACKEND_CHOICES:
-        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend
-    from common.flashinfer_backend import FlashInferAttentionBackend, flashinfer_import_error
-
-    if device.type != "cuda":
-        raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
-    reason = flashinfer_import_error() or FlashInferAttentionBackend.unsupported_reason(
-        head_dims=tuple(head_dims), model_dtype=model_dtype, kv_dtype=kv_dtype
-    )
-    if reason is None:
-        return FlashInferAttentionBackend
-    if name == "auto":
-        logging.getLogger(__name__).warning("attention backend auto: %s; using the torch backend", reason)
-        return TorchAttentionBackend
-    raise ValueError(f"attention backend 'flashinfer' is not available: {reason}")

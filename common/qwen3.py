@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.attention import AttentionBackend
+from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import LayerSpec
 from common.weights import iter_safetensors, load_config, resolve_model_path

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.attention import AttentionBackend, write_kv_to_pages
+from common.attention import write_kv_to_pages
+from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import KVLayout, LayerSpec
 from common.qwen3 import DecoderLayer, ModelArgs, RMSNorm, RotaryEmbedding, WeightLoadError, apply_rope

@@ -57,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5  # common.sampling.GREEDY_TEMPERATURE (no torch here)
+        return self.temperature < 1e-5  # target_service.sampling.GREEDY_TEMPERATURE (no torch here)
 
 
 MAX_STOP_STRINGS = 16

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import torch
 
-from common.attention import select_backend
+from common.attention_backends import select_backend
 from common.kv_layout import (
     KV_DTYPES,
     CacheConfig,
@@ -34,7 +34,7 @@ from common.kv_layout import (
 from common.kv_pool import PagePool, remove_stale_shm_files
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
 from common.pool_transport import PoolExports, check_ipc_allocator, device_uuid, write_canary
-from common.sampling import SamplingSpec, make_generator
+from target_service.sampling import SamplingSpec, make_generator
 from common.threads import apply_threads
 from common.weights import resolve_model_path
 from splitspec.v1 import drafter_pb2 as dpb

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention_metadata import AttentionMetadata
-from common.sampling import SamplingSpec
+from target_service.sampling import SamplingSpec
 from target_service.spec_decode import verify_tokens
 from target_service.scheduler import ScheduledSeq
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from common.sampling import SamplingSpec, sample_from_probs, sampling_probs
+from target_service.sampling import SamplingSpec, sample_from_probs, sampling_probs
 
 
 def accept_greedy(draft: list[int], target_argmax: list[int]) -> list[int]:

@@ -21,17 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.attention import (
-    TorchAttentionBackend,
-    dequantize,
-    gather_kv_from_pages,
-    quantize,
-    read_kv_slots,
-    select_backend,
-    write_kv_to_pages,
-)
+from common.attention import TorchAttentionBackend, gather_kv_from_pages, read_kv_slots, write_kv_to_pages
+from common.attention_backends import select_backend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import LayerSpec, build_layout
+from common.kv_quant import dequantize, quantize
 
 PAGE_SIZE = 4
 HEAD_DIM = 8

@@ -20,18 +20,12 @@ import random
 import pytest
 import torch
 
-from common.attention import TorchAttentionBackend, build_plan, select_backend
+from common.attention import TorchAttentionBackend, build_plan
+from common.attention_backends import select_backend
 from common.attention_metadata import AttentionMetadata
-from common.flashinfer_backend import (
-    FlashInferAttentionBackend,
-    ReferenceKernels,
-    append_slots,
-    build_plan_inputs,
-    flashinfer_import_error,
-    kv_slots,
-    visible_keys,
-)
+from common.flashinfer_backend import FlashInferAttentionBackend, build_plan_inputs, flashinfer_import_error
 from common.kv_layout import LayerSpec, build_layout
+from tests.flashinfer_reference import ReferenceKernels, append_slots, kv_slots, visible_keys
 
 ORDERS = ["NHD", "HND"]
 PAGE_SIZE = 4
@@ -143,8 +137,9 @@ def test_plan_inputs_walk_the_torch_backends_slots(name, seed):
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3"])
 def test_append_writes_the_torch_backends_pages(order, kv_dtype):
-    from common.attention import quantize, write_kv_to_pages
-    from common.flashinfer_backend import reference_append
+    from common.attention import write_kv_to_pages
+    from common.kv_quant import quantize
+    from tests.flashinfer_reference import reference_append
 
     spans, _ = SCENARIOS["mixed"]
     tables, num_pages = shuffled_tables([e for _, e in spans], 3)
@@ -228,7 +223,6 @@ def test_one_plan_per_step_shared_by_every_layer_and_buffers_built_once():
     meta = meta_for([(0, 9), (0, 3)], pair.tables[:2])
     q, k, v = torch.randn(12, 8, HEAD_DIM), torch.randn(12, 2, HEAD_DIM), torch.randn(12, 2, HEAD_DIM)
     backend.plan(meta)
-    workspace = backend._workspace
     for _ in range(4):  # four layers
         backend.forward(q, k, v, pair.fi_cache, pair.spec, 0.125)
     assert kernels.calls == ["append", "new_prefill", "plan_prefill", "run_prefill"] + ["append", "run_prefill"] * 3
@@ -239,11 +233,13 @@ def test_one_plan_per_step_shared_by_every_layer_and_buffers_built_once():
             backend.forward(q[:2], k[:2], v[:2], pair.fi_cache, pair.spec, 0.125)
     assert kernels.calls.count("new_decode") == 1 and kernels.calls.count("plan_decode") == 2
     assert kernels.calls.count("run_decode") == 6 and "new_prefill" not in kernels.calls
-    assert backend._workspace is workspace and backend.num_plans == 3
+    assert backend.num_plans == 3
     backend.plan(meta_for([(11, 16), (5, 10)], pair.tables[:2]))  # a verify step: prefill wrapper again
     backend.forward(q[:10], k[:10], v[:10], pair.fi_cache, pair.spec, 0.125)
     assert kernels.calls[-3:] == ["append", "plan_prefill", "run_prefill"]
-    assert kernels.calls.count("new_prefill") == 0 and backend._workspace is workspace
+    assert kernels.calls.count("new_prefill") == 0
+    prefill_workspace, decode_workspace = kernels.workspaces  # one buffer, allocated once, shared by every wrapper
+    assert decode_workspace is prefill_workspace
 
 
 def test_layers_of_another_shape_get_their_own_plan_in_the_same_step():

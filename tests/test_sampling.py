@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from common.sampling import SamplingSpec, make_generator, sample_tokens, sampling_probs
+from target_service.sampling import SamplingSpec, make_generator, sampling_probs
+from target_service.spec_decode import verify_tokens
+
+
+def sample_tokens(logits: torch.Tensor, specs: list[SamplingSpec], generators: list) -> list[int]:
+    """[N, V] logits → one token per row, as the engine samples one: a verify with no drafts."""
+    return [verify_tokens([], logits[row : row + 1], spec, gen)[0]
+            for row, (spec, gen) in enumerate(zip(specs, generators))]
 
 
 def test_top_k_keeps_k_most_likely():

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from common.sampling import SamplingSpec, make_generator
+from target_service.sampling import SamplingSpec, make_generator
 from target_service.spec_decode import accept_greedy, rejection_sample, verify_tokens
 
 # chi-square critical values at significance 0.001

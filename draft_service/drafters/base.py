@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.attention import select_backend
+from common.attention_backends import select_backend
 from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
 

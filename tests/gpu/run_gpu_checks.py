@@ -387,8 +387,9 @@ def parity_case(device, order: str, kv_dtype: str, kernels=None) -> dict:
 
     from common.attention import TorchAttentionBackend
     from common.attention_metadata import AttentionMetadata
-    from common.flashinfer_backend import FlashInferAttentionBackend, build_plan_inputs, reference_attention
+    from common.flashinfer_backend import FlashInferAttentionBackend, build_plan_inputs
     from common.kv_layout import LayerSpec, build_layout
+    from tests.flashinfer_reference import reference_attention
 
     q_heads, kv_heads, dim = PARITY_HEADS
     fp8 = kv_dtype.startswith("fp8")

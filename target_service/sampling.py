@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, with per-request generators.
 
-`sampling_probs` is the one place logits become a distribution, so the speculative
-rejection sampler and the plain sampler agree on what "the target's distribution" is.
+`sampling_probs` is the one place logits become a distribution: the speculative rejection
+sampler (target_service/spec_decode.py) uses it for verified tokens and for the plain,
+draft-free token alike, so both follow the same "target's distribution".
 """
 
 from __future__ import annotations
@@ -48,20 +49,6 @@ def sampling_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from a [V] distribution."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-def sample_tokens(
-    logits: torch.Tensor, specs: list[SamplingSpec], generators: list[torch.Generator | None]
-) -> list[int]:
-    """[N, V] logits → one token per row. Greedy rows share one argmax."""
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    tokens = []
-    for row, (spec, gen) in enumerate(zip(specs, generators)):
-        if spec.greedy:
-            tokens.append(greedy_ids[row])
-        else:
-            tokens.append(sample_from_probs(sampling_probs(logits[row : row + 1], spec)[0], gen))
-    return tokens
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

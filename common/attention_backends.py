@@ -1,0 +1,77 @@
+"""The attention backend boundary: what a backend offers, the choices, and picking one.
+
+A backend is built once the KV layout is resolved. Each step the model runner calls
+`plan(meta)` once; every layer then calls `forward(q, k, v, kv_cache, spec, scale)`,
+which writes this step's K/V into the pages at `meta.slot_mapping` and attends over
+each sequence's pages. Two implement it: `common.attention.TorchAttentionBackend`
+(portable) and `common.flashinfer_backend.FlashInferAttentionBackend` (CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+import common.flashinfer_backend as flashinfer_backend
+from common.attention import TorchAttentionBackend
+from common.attention_metadata import AttentionMetadata
+from common.kv_layout import LayerSpec
+
+log = logging.getLogger(__name__)
+
+BACKEND_CHOICES = ("auto", "torch", "flashinfer")  # --attention-backend
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    @classmethod
+    def supported_orders(cls, device: torch.device) -> tuple[str, ...]: ...
+
+    @classmethod
+    def preferred_order(cls, device: torch.device) -> str: ...
+
+    def plan(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # one layer region
+        spec: LayerSpec,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, Hq, D]
+
+
+def select_backend(
+    name: str,
+    device: torch.device,
+    *,
+    head_dims: tuple[int, ...] = (),
+    model_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> type:
+    """The backend class for `--attention-backend` (auto | torch | flashinfer).
+
+    auto: FlashInfer on a CUDA device where `import flashinfer` works and its kernels fit the
+    model (head dims, model and KV dtypes, when given), else torch, with a warning saying why.
+    flashinfer: the same conditions, as a ValueError naming what to change."""
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend
+    if device.type != "cuda":
+        raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
+    flashinfer = flashinfer_backend.FlashInferAttentionBackend
+    reason = flashinfer_backend.flashinfer_import_error() or flashinfer.unsupported_reason(
+        head_dims=tuple(head_dims), model_dtype=model_dtype, kv_dtype=kv_dtype
+    )
+    if reason is None:
+        return flashinfer
+    if name == "auto":
+        log.warning("attention backend auto: %s; using the torch backend", reason)
+        return TorchAttentionBackend
+    raise ValueError(f"attention backend 'flashinfer' is not available: {reason}")
