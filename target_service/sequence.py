@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from target_service.api_types import EngineRequest, FinishReason, Usage
+from target_service.api_types import EngineRequest, Usage
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +41,6 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV sits in the pages
     page_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -69,17 +68,8 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        """True while more than the last token still lacks KV (prompt or recompute)."""
-        return self.num_uncomputed_tokens > 1
 
     @property
     def is_finished(self) -> bool:
