@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             core = build_engine_core(engine_config(args.models, tmp, k=8, drafter=drafter.address, token=token))
             if not core.link.ready:
                 raise RuntimeError(f"the drafter did not handshake: {core.link.detail}")
-            link = core.link
+            link, layout = core.link, core.layout
 
             def empty_propose():
-                return link.propose(dpb.ProposeRequest(target_id=link.target_id, epoch=link.epoch))
+                return link.propose(dpb.ProposeRequest(target_id=layout.target_id, epoch=layout.epoch))
 
             time_calls(empty_propose, 50, 0.0)  # connection and caches warm
             print("| idle before each call | median µs | p90 µs |\n|---:|---:|---:|")

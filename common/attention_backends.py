@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 BACKEND_CHOICES = ("auto", "torch", "flashinfer")  # --attention-backend
 
 
+def check_backend_name(name: str) -> None:
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -59,8 +64,7 @@ def select_backend(
     auto: FlashInfer on a CUDA device where `import flashinfer` works and its kernels fit the
     model (head dims, model and KV dtypes, when given), else torch, with a warning saying why.
     flashinfer: the same conditions, as a ValueError naming what to change."""
-    if name not in BACKEND_CHOICES:
-        raise ValueError(f"attention backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
+    check_backend_name(name)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend
     if device.type != "cuda":

@@ -38,6 +38,11 @@ class FinishReason(enum.IntEnum):
     MODEL_LENGTH = 4  # the sequence reached the model's max length
 
 
+# Temperatures below this decode greedily (as vLLM's _SAMPLING_EPS): the distribution is
+# the argmax anyway, and logits / 1e-40 overflow float32 into inf - inf = NaN probabilities.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 (below 1e-5) → greedy
@@ -57,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5  # target_service.sampling.GREEDY_TEMPERATURE (no torch here)
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 MAX_STOP_STRINGS = 16
@@ -137,6 +142,28 @@ class ModelInfo:
     dtype: str
     num_layers: int
     hidden_size: int
+
+
+def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:
+    """What a request can only be checked against once the model is known: ids in the
+    vocabulary, prompt + max_tokens within the model length."""
+    ids = request.prompt_token_ids
+    if not ids:
+        raise InvalidRequestError("input", "the prompt is empty")
+    bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("input.token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+    bad = next((t for t in request.stop.stop_token_ids if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("stop.stop_token_ids",
+                                  f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+    total = len(ids) + request.stop.max_tokens
+    if total > info.max_model_len:
+        raise InvalidRequestError(
+            "stop.max_tokens",
+            f"prompt ({len(ids)} tokens) + max_tokens ({request.stop.max_tokens}) = {total} exceeds the "
+            f"model length {info.max_model_len}",
+        )
 
 
 class EngineClient(Protocol):

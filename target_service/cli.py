@@ -105,7 +105,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 def serve_config(args: argparse.Namespace):
     from common.auth import load_internal_token
     from target_service.convert import RequestDefaults
-    from target_service.engine import EngineConfig
+    from target_service.config import EngineConfig
     from target_service.server import ServeConfig, TLSConfig
 
     engine = EngineConfig(

@@ -3,7 +3,8 @@
 Only the engine thread calls it, between steps. Any failure (down, past the per-step
 deadline, an error, garbage) turns the link UNAVAILABLE: the step runs without
 speculation and the engine re-handshakes later with exponential backoff. Every
-re-handshake bumps the epoch, so the drafter drops all state of the old one.
+re-handshake bumps the epoch, so the drafter drops all state of the old one. The epoch and
+target id live in the pool's layout (target_service/handshake.py), not here.
 """
 
 from __future__ import annotations
@@ -69,11 +70,9 @@ class DrafterLink:
     config: DrafterLinkConfig
     state: LinkState = LinkState.CONNECTING
     facts: DrafterFacts | None = None
-    epoch: int = 0
-    target_id: str = ""
     detail: str = ""
     rejected: bool = False  # the last handshake was refused as incompatible
-    serving: bool = False  # set once the engine serves: handshakes then get short deadlines
+    serving: bool = False  # once the engine serves (`start_serving`), handshakes get short deadlines
     num_proposes: int = 0
     propose_sequences: int = 0  # sequence updates sent, summed over Proposes
     propose_bytes: int = 0  # serialized request bytes, summed over Proposes
@@ -103,6 +102,10 @@ class DrafterLink:
     @property
     def metadata(self):
         return auth_metadata(self.config.token)
+
+    def start_serving(self) -> None:
+        """From now on a handshake runs between steps and must not stall the streams for long."""
+        self.serving = True
 
     def due_for_handshake(self) -> bool:
         return self.state in (LinkState.CONNECTING, LinkState.UNAVAILABLE) and time.monotonic() >= self._next_attempt
@@ -139,12 +142,12 @@ class DrafterLink:
     def attach(self, request: dpb.AttachRequest) -> None:
         self._stub.Attach(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
 
-    def detach(self) -> None:
+    def detach(self, target_id: str, epoch: int) -> None:
         """Best effort, on shutdown: the drafter forgets this target and unmaps its pool now
         (else the pool's memory stays mapped there until another target negotiates)."""
         if not self.ready:
             return
-        request = dpb.ReleaseRequest(target_id=self.target_id, epoch=self.epoch, detach=True)
+        request = dpb.ReleaseRequest(target_id=target_id, epoch=epoch, detach=True)
         try:
             self._stub.Release(request, timeout=min(1.0, self.config.handshake_timeout_s), metadata=self.metadata)
         except grpc.RpcError as exc:
@@ -157,8 +160,8 @@ class DrafterLink:
         self.propose_bytes += request.ByteSize()
         return self._stub.Propose(request, timeout=self.config.propose_timeout_s, metadata=self.metadata)
 
-    def mark_ready(self, facts: DrafterFacts, target_id: str, epoch: int) -> None:
-        self.facts, self.target_id, self.epoch = facts, target_id, epoch
+    def mark_ready(self, facts: DrafterFacts, epoch: int) -> None:
+        self.facts = facts
         self.state, self.detail = LinkState.READY, ""
         self._backoff = self.config.backoff_initial_s
         log.info("drafter %s ready: %s, K=%d, epoch %d", self.config.address, facts.kind,
@@ -174,14 +177,14 @@ class DrafterLink:
         self._next_attempt = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self.config.backoff_max_s)
 
-    def describe(self) -> dict:
+    def describe(self, epoch: int) -> dict:
         facts = self.facts
         return {
             "state": self.state.value,
             "address": self.config.address,
             "kind": facts.kind if facts else "",
             "num_speculative_tokens": facts.num_speculative_tokens if facts else 0,
-            "epoch": self.epoch,
+            "epoch": epoch,
             "detail": self.detail,
         }
 

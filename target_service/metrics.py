@@ -8,16 +8,15 @@ collector, so the hot path pays nothing for them.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from target_service.engine import EngineCore
-    from target_service.sequence import Sequence
+from common.kv_layout import KVLayout
+from target_service.sequence import Sequence
 
 # Buckets as vLLM's, so percentiles compare.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -27,6 +26,26 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 PROPOSE_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """The engine at a glance: what the gauges and GetServerInfo report."""
+
+    running: int
+    waiting: int
+    num_pages: int
+    free_pages: int
+    layout: KVLayout
+    drafter: dict  # DrafterLink.describe(): state, address, kind, K, epoch, detail
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.free_pages / self.num_pages
+
+    @property
+    def drafter_up(self) -> bool:
+        return self.drafter.get("state") == "ready"
 
 
 class TargetMetrics:
@@ -72,9 +91,9 @@ class TargetMetrics:
         self.propose_latency = Histogram("splitspec_drafter_propose_latency_seconds",
                                          "Round trip of one batched Propose.", buckets=PROPOSE_BUCKETS, registry=r)
 
-    def watch(self, core: EngineCore) -> None:
+    def watch(self, state: Callable[[], EngineState]) -> None:
         """Expose the engine's state as gauges read at scrape time."""
-        self.registry.register(EngineStateCollector(core))
+        self.registry.register(EngineStateCollector(state))
 
     # -- per-request events (host values only) ---------------------------------------
 
@@ -109,21 +128,19 @@ class TargetMetrics:
 class EngineStateCollector(Collector):
     """Gauges computed when Prometheus scrapes: running/waiting, KV pool, drafter, layout."""
 
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
+    def __init__(self, state: Callable[[], EngineState]) -> None:
+        self._state = state
 
     def collect(self):
-        core = self._core
-        bm = core.page_manager
-        yield _gauge("splitspec_requests_running", "Sequences in the running batch.", core.num_running)
-        yield _gauge("splitspec_requests_waiting", "Requests waiting for admission.", core.num_waiting)
-        yield _gauge("splitspec_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1).", bm.usage)
-        yield _gauge("splitspec_kv_cache_free_pages", "Free KV pages.", bm.num_free_pages)
-        yield _gauge("splitspec_kv_cache_pages", "KV pages in the pool.", bm.num_pages)
-        link = core.link
+        state = self._state()
+        yield _gauge("splitspec_requests_running", "Sequences in the running batch.", state.running)
+        yield _gauge("splitspec_requests_waiting", "Requests waiting for admission.", state.waiting)
+        yield _gauge("splitspec_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1).", state.usage)
+        yield _gauge("splitspec_kv_cache_free_pages", "Free KV pages.", state.free_pages)
+        yield _gauge("splitspec_kv_cache_pages", "KV pages in the pool.", state.num_pages)
         yield _gauge("splitspec_drafter_up", "1 when the drafter is handshaken and speculating, else 0.",
-                     1 if link is not None and link.ready else 0)
-        layout = core.layout
+                     1 if state.drafter_up else 0)
+        layout = state.layout
         info = InfoMetricFamily("splitspec_kv_layout", "The agreed KV-cache layout.")
         info.add_metric([], {"order": layout.order, "kv_dtype": layout.kv_dtype, "page_size": str(layout.page_size),
                              "num_pages": str(layout.num_pages), "epoch": str(layout.epoch)})
@@ -132,7 +149,3 @@ class EngineStateCollector(Collector):
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
-
-
-def now() -> float:
-    return time.monotonic()

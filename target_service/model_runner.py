@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention_metadata import AttentionMetadata
+from common.kv_pool import PagePool
 from target_service.sampling import SamplingSpec
 from target_service.spec_decode import verify_tokens
 from target_service.scheduler import ScheduledSeq
@@ -21,19 +22,21 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, backend, kv_caches: list[torch.Tensor], page_size: int, device: torch.device) -> None:
+    def __init__(self, model, backend_cls: type, pool: PagePool, device: torch.device) -> None:
         self.model = model
         self.device = device
-        self.install_pool(backend, kv_caches, page_size)
+        self.backend_cls = backend_cls
+        self.install_pool(pool)
 
-    def install_pool(self, backend, kv_caches: list[torch.Tensor], page_size: int,
-                     staging: torch.Tensor | None = None, capture_layers: tuple[int, ...] = ()) -> None:
+    def install_pool(self, pool: PagePool) -> None:
         """Point the runner at (new) pool views; staging receives the captured hidden states."""
-        self.backend = backend
-        self.kv_caches = kv_caches  # index = target layer
-        self.page_size = page_size
-        self.staging = staging  # [rows, len(capture_layers) * hidden] or None
-        self.capture_layers = capture_layers
+        layout = pool.layout
+        self.backend = self.backend_cls(layout)
+        self.kv_caches = [pool.region(layout.layer("target", i)) for i in range(self.model.num_layers)]  # by layer
+        self.page_size = layout.page_size
+        staging = layout.staging
+        self.staging = pool.staging() if staging is not None else None  # [rows, len(capture_layers) * hidden]
+        self.capture_layers = staging.layer_ids if staging is not None else ()
 
     def build_inputs(self, scheduled: list[ScheduledSeq], drafts: dict[int, list[int]]) -> StepInputs:
         ids: list[int] = []

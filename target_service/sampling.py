@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-# Temperatures below this decode greedily (as vLLM's _SAMPLING_EPS): the distribution is
-# the argmax anyway, and logits / 1e-40 overflow float32 into inf - inf = NaN probabilities.
-GREEDY_TEMPERATURE = 1e-5
+from target_service.api_types import GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

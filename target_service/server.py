@@ -32,7 +32,8 @@ from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service import convert
 from target_service.api_types import EngineClient, InvalidRequestError, QueueFullError, ShuttingDownError
-from target_service.engine import AsyncEngine, EngineConfig
+from target_service.async_engine import AsyncEngine
+from target_service.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from common.pool_transport import sync_for_handoff
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import EngineRequest
 from target_service.drafter_link import DrafterLink, describe_rpc_error
+from target_service.handshake import SharedPool
 from target_service.metrics import TargetMetrics
 from target_service.scheduler import ScheduledSeq
 from target_service.sequence import Sequence
@@ -29,15 +30,25 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Speculator:
-    link: DrafterLink
+    """Metrics are passed to each call, not kept: the engine decides where a step's counts go
+    (warmup steps count nowhere that Prometheus reads)."""
+
+    shared: SharedPool  # its link talks to the drafter; its layout holds the target id and epoch
     server_k: int
     max_model_len: int
     vocab_size: int
+    device: torch.device
     disable_batch_size: int | None = None  # no drafts while this many sequences or more run
-    metrics: TargetMetrics | None = None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
+
+    @property
+    def link(self) -> DrafterLink:
+        return self.shared.link
+
+    @property
+    def epoch(self) -> int:
+        return self.shared.layout.epoch
 
     def reset(self) -> None:
         """A new epoch: nothing pending belongs to it."""
@@ -45,7 +56,7 @@ class Speculator:
         self._released.clear()
 
     def follows(self, seq: Sequence) -> bool:
-        return self.link.ready and seq.drafter_epoch == self.link.epoch
+        return self.link.ready and seq.drafter_epoch == self.epoch
 
     def num_drafts_for(self, request: EngineRequest) -> int:
         if request.speculation.disable or not self.link.ready or self.link.facts is None:
@@ -53,15 +64,15 @@ class Speculator:
         k = request.speculation.num_speculative_tokens or self.server_k
         return min(k, self.server_k, self.link.facts.num_speculative_tokens)
 
-    def lookahead(self, running: list[Sequence]) -> dict[int, int]:
+    def lookahead(self, running: list[Sequence], metrics: TargetMetrics) -> dict[int, int]:
         """Draft slots to reserve for each decoding sequence the drafter follows.
 
         Nothing while the batch is at `disable_batch_size` or more: verifying K+1 tokens for
         every sequence of a large batch costs more than the drafts save. The drafter still
         receives every sequence's context, so drafting resumes as soon as the batch shrinks."""
         if self.disable_batch_size is not None and len(running) >= self.disable_batch_size:
-            if self.link.ready and self.metrics is not None:
-                self.metrics.batch_disabled_steps.inc()
+            if self.link.ready:
+                metrics.batch_disabled_steps.inc()
             return {}
         wants = {}
         for seq in running:
@@ -73,7 +84,7 @@ class Speculator:
                 wants[seq.seq_id] = k
         return wants
 
-    def propose(self, scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
+    def propose(self, scheduled: list[ScheduledSeq], metrics: TargetMetrics) -> dict[int, list[int]]:
         """One batched Propose: pending updates, releases, and draft requests."""
         if not self.link.ready:
             return {}
@@ -88,7 +99,7 @@ class Speculator:
         for s in scheduled:  # pages added by this step's scheduling
             if s.seq.seq_id in updates:
                 self._attach_new_pages(updates[s.seq.seq_id], s.seq)
-        request = dpb.ProposeRequest(target_id=self.link.target_id, epoch=self.link.epoch,
+        request = dpb.ProposeRequest(target_id=self.shared.layout.target_id, epoch=self.epoch,
                                      sequences=list(updates.values()), released_seq_ids=self._released)
         self.reset()
         sync_for_handoff(self.device)  # the drafter reads what this process's last step wrote
@@ -98,11 +109,11 @@ class Speculator:
         except Exception as exc:  # down, hung past the deadline, or an error: no speculation
             self.link.mark_failed(describe_rpc_error(exc))
             return {}
-        if self.metrics is not None:
-            self.metrics.propose_latency.observe(time.monotonic() - started)
-        return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled})
+        metrics.propose_latency.observe(time.monotonic() - started)
+        return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
-    def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int]) -> dict[int, list[int]]:
+    def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int],
+                      metrics: TargetMetrics) -> dict[int, list[int]]:
         """Drop garbage: unknown sequences, out-of-vocabulary ids, more tokens than reserved,
         and every draft of a sequence named twice (which one would be meant?)."""
         drafts: dict[int, list[int]] = {}
@@ -127,8 +138,7 @@ class Speculator:
                 invalid += 1
         if invalid:
             log.warning("drafter returned %d invalid draft(s); ignored", invalid)
-            if self.metrics is not None:
-                self.metrics.invalid_drafts.inc(invalid)
+            metrics.invalid_drafts.inc(invalid)
         return drafts
 
     def _empty_update(self, seq: Sequence) -> dpb.SequenceUpdate:
@@ -148,7 +158,7 @@ class Speculator:
         for s, start, row in zip(scheduled, computed_before, row_starts):
             seq = s.seq
             if start == 0 and not seq.is_finished:
-                seq.drafter_epoch, seq.drafter_pages_sent = self.link.epoch, 0  # seen from its start
+                seq.drafter_epoch, seq.drafter_pages_sent = self.epoch, 0  # seen from its start
             if not self.follows(seq) or seq.is_finished:
                 continue
             count = seq.num_computed_tokens - start

@@ -540,7 +540,7 @@ def test_splitspec_health_is_the_compose_healthcheck(server):
 
 def _in_process(check) -> None:
     """Run `check(channel)` against start_server() (no engine), then stop the server."""
-    from target_service.engine import EngineConfig
+    from target_service.config import EngineConfig
     from target_service.server import ServeConfig, start_server
 
     async def main():

@@ -11,7 +11,8 @@ from common.kv_layout import CacheConfig
 from draft_service.drafters import DrafterConfig
 from draft_service.local import LocalDrafterStub
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams
-from target_service.engine import EngineConfig, build_engine_core
+from target_service.config import EngineConfig
+from target_service.engine import build_engine_core
 from tests.tiny_models import PROMPTS, make_qwen3
 
 K = 4
@@ -33,6 +34,10 @@ def _core(target, draft, shm_dir, disable_at):
                           drafter="in-process", internal_token="unused", num_speculative_tokens=K,
                           speculative_disable_batch_size=disable_at)
     return build_engine_core(config, drafter_stub=stub)
+
+
+def batch_disabled_steps(core) -> float:
+    return core.metrics.registry.get_sample_value("splitspec_spec_decode_batch_disabled_steps_total")
 
 
 def _run_together(core, speculate: bool = True) -> dict[str, tuple[list[int], object]]:
@@ -64,7 +69,7 @@ def test_a_full_batch_runs_without_drafts_and_drafting_resumes_when_it_shrinks(c
     assert all(u.num_drafts == 0 for u in short)  # they only ever ran in the full batch
     assert long.num_drafts > 0  # alone, the long request is speculated again ...
     assert long.accepted_tokens == long.draft_tokens  # ... and its drafter kept every token of context
-    assert core.metrics.batch_disabled_steps._value.get() > 0
+    assert batch_disabled_steps(core) > 0
     core.close()
 
 
@@ -73,7 +78,7 @@ def test_below_the_threshold_every_request_is_speculated(checkpoints, tmp_path):
     core = _core(target, draft, tmp_path, disable_at=len(MAX_TOKENS) + 1)
     results = _run_together(core)
     assert all(usage.num_drafts > 0 for _, usage in results.values())
-    assert core.metrics.batch_disabled_steps._value.get() == 0
+    assert batch_disabled_steps(core) == 0
     core.close()
 
 

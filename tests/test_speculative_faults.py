@@ -19,7 +19,8 @@ from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service.api_types import EngineRequest, StopParams
-from target_service.engine import EngineConfig, build_engine_core
+from target_service.config import EngineConfig
+from target_service.engine import build_engine_core
 from tests.procs import TOKEN, Service, free_port, server_info, stream_tokens
 from tests.test_dflash_parity import TARGET_LAYERS, make_reference_dflash
 from tests.tiny_models import PROMPTS, make_qwen3

@@ -19,7 +19,9 @@ from common.kv_layout import CacheConfig
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service.api_types import EngineRequest, StopParams
-from target_service.engine import AsyncEngine, EngineConfig, build_engine_core
+from target_service.async_engine import AsyncEngine
+from target_service.config import EngineConfig
+from target_service.engine import build_engine_core
 from tests.procs import collect_stream, rss_kib, served_target, wait_idle
 from tests.tiny_models import PROMPTS, make_qwen3
 
@@ -136,6 +138,19 @@ def test_cancellation_storm_leaks_nothing_and_leaves_survivors_unchanged(target)
     assert sum(endings.values()) == NUM_DOOMED
 
 
+def idle(info: dict) -> bool:
+    return (info["running"], info["waiting"], info["free_pages"]) == (0, 0, info["num_pages"])
+
+
+async def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll a public signal until it holds (no sleep standing in for synchronization)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"waited {timeout} s for {what}")
+        await asyncio.sleep(0.01)
+
+
 def test_a_stream_closed_before_its_first_read_is_aborted(tmp_path):
     """The gap the storm aims at, made deterministic: a handler cancelled after admitting its
     request but before reading from it (a client cancel, a deadline, a failed metadata write)
@@ -150,15 +165,9 @@ def test_a_stream_closed_before_its_first_read_is_aborted(tmp_path):
         try:
             request = EngineRequest("never-read", (1, 2, 3), stop=StopParams(max_tokens=400, ignore_eos=True))
             stream = engine.generate(request)
-            await asyncio.sleep(0.2)  # it runs for a few steps
-            assert engine.server_info()["running"] == 1
+            await wait_until(lambda: engine.server_info()["running"] == 1, "the request to run")
             await stream.aclose()
-            for _ in range(200):
-                info = engine.server_info()
-                if info["running"] == 0 and info["free_pages"] == info["num_pages"]:
-                    break
-                await asyncio.sleep(0.01)
-            assert (info["running"], info["waiting"], info["free_pages"]) == (0, 0, info["num_pages"])
+            await wait_until(lambda: idle(engine.server_info()), "the request to be aborted and its pages freed")
             again = engine.generate(EngineRequest("never-read", (1, 2, 3), stop=StopParams(max_tokens=1)))
             assert [out async for out in again][-1].finish_reason is not None  # the id is free again
         finally:

@@ -13,7 +13,8 @@ from common.kv_layout import CacheConfig
 from common.threads import drafter_threads
 from draft_service.drafters import DrafterConfig
 from draft_service.server import DraftServeConfig
-from target_service.engine import AsyncEngine, EngineConfig
+from target_service.async_engine import AsyncEngine
+from target_service.config import EngineConfig
 from tests.procs import Service, free_port
 from tests.tiny_models import make_qwen3
 
@@ -31,7 +32,7 @@ def test_engine_steps_run_with_the_configured_thread_count(tmp_path):
     async def engine_thread_info() -> str:
         await engine.start()
         try:
-            return await asyncio.get_running_loop().run_in_executor(engine._executor, torch.__config__.parallel_info)
+            return await engine.run_on_engine_thread(torch.__config__.parallel_info)
         finally:
             await engine.shutdown(grace_s=1.0)
 

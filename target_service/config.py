@@ -1,0 +1,55 @@
+"""The target engine's settings: one dataclass, validated once, where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.attention_backends import check_backend_name
+from common.dtypes import check_dtype_name
+from common.kv_layout import CacheConfig
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"  # common.dtypes: auto | float32 | bfloat16 | float16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    max_waiting: int = 1024
+    attention_backend: str = "auto"  # common.attention_backends.BACKEND_CHOICES
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    seed: int = 0
+    hf_cache_dir: str | None = None
+    drafter: str | None = None  # address of splitspec-draft; None → no speculation
+    internal_token: str | None = None  # shared token for the internal channel
+    num_speculative_tokens: int = 8  # the server's K: requests may ask for fewer; 0 → never speculate
+    drafter_timeout_s: float = 2.0  # per-step Propose deadline
+    drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
+    speculative_disable_batch_size: int | None = None  # no drafts while this many sequences or more run
+    threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
+
+    def __post_init__(self) -> None:
+        if self.drafter and not self.internal_token:
+            raise ValueError("a drafter needs the internal token (SPLITSPEC_INTERNAL_TOKEN or --internal-token-file)")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.drafter_timeout_s <= 0 or self.drafter_startup_wait_s < 0:
+            raise ValueError("drafter timeouts must be positive")
+        if not self.model:
+            raise ValueError("model must name a local folder or a Hugging Face id")
+        check_dtype_name(self.dtype)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_model_len", "speculative_disable_batch_size", "threads"):  # None: unset
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        check_backend_name(self.attention_backend)
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

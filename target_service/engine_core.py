@@ -1,0 +1,260 @@
+"""The synchronous engine core: add, abort, step. Only one thread touches it at a time.
+
+One step (`EngineCore.step`): schedule (decodes, prefill chunks and draft slots under one
+token budget) → one batched Propose to the drafter → one forward that prefills, decodes
+and verifies → accept → append, check stops, emit. `AsyncEngine` (async_engine.py) drives
+it from the event loop; `build_engine_core` (engine.py) assembles it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.kv_layout import KVLayout
+from target_service.api_types import EngineRequest, FinishReason, ModelInfo, RequestOutput, StopParams
+from target_service.config import EngineConfig
+from target_service.detokenizer import IncrementalDetokenizer
+from target_service.drafter_link import DrafterLink
+from target_service.handshake import SharedPool
+from target_service.metrics import EngineState, TargetMetrics
+from target_service.model_runner import ModelRunner
+from target_service.page_manager import PageManager
+from target_service.sampling import SamplingSpec, make_generator
+from target_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from target_service.sequence import Sequence
+from target_service.speculation import Speculator
+
+WARMUP_REQUEST_ID = "__warmup__"
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    spec: SamplingSpec
+    generator: torch.Generator | None
+
+
+class EngineCore:
+    """Synchronous engine: add, abort, step. One thread at a time."""
+
+    def __init__(self, config: EngineConfig, model, tokenizer, runner: ModelRunner, shared: SharedPool,
+                 model_info: ModelInfo) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.shared = shared
+        self.model_info = model_info
+        self.page_manager = PageManager(shared.layout.num_pages, shared.layout.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_info.max_model_len),
+            self.page_manager,
+        )
+        self.speculator = (Speculator(shared, config.num_speculative_tokens, model_info.max_model_len,
+                                      model_info.vocab_size, runner.device, config.speculative_disable_batch_size)
+                           if shared.link is not None else None)
+        self._tracked: dict[str, _Tracked] = {}
+        self._next_seq_id = 0
+        self.metrics = TargetMetrics()  # what Prometheus reads; warmup swaps in a throwaway one
+        self.metrics.watch(self.state)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.shared.layout
+
+    @property
+    def link(self) -> DrafterLink | None:
+        return self.shared.link
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def state(self) -> EngineState:
+        pages = self.page_manager
+        return EngineState(self.num_running, self.num_waiting, pages.num_pages, pages.num_free_pages, self.layout,
+                           self.shared.describe_drafter())
+
+    # --- requests ------------------------------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        seq = Sequence.from_request(request, self._next_seq_id)
+        self._next_seq_id += 1
+        sampling = request.sampling
+        spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k)
+        generator = None if spec.greedy else make_generator(sampling.seed, self.runner.device)
+        detok = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids), request.stop.stop)
+        self._tracked[request.request_id] = _Tracked(seq, detok, spec, generator)
+        self.scheduler.add(seq)
+        self.metrics.on_admitted(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self._remove(tracked.seq)
+        return self._finish_output(tracked, FinishReason.ABORT, ())
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for rid in list(self._tracked) if (out := self.abort(rid)) is not None]
+
+    def _remove(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    # --- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, propose, run (prefill + decode + verify), accept, emit."""
+        spec = self.speculator
+        if spec is not None and spec.link.due_for_handshake():
+            self.handshake()
+        plan = self.scheduler.schedule(spec.lookahead(self.scheduler.running, self.metrics) if spec else None)
+        self._note_preempted(plan.preempted)
+        if plan.is_empty:
+            return []
+        self._note_first_scheduling(plan.scheduled)
+        drafts = self._propose(plan.scheduled)
+        tracked = [self._tracked[s.seq.request_id] for s in plan.scheduled if s.samples]
+        emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
+                                                  [t.generator for t in tracked])
+        computed_before = self._advance(plan.scheduled)
+        outputs = [out for t, tokens in zip(tracked, emitted)
+                   if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
+        if spec is not None:
+            spec.record_step(plan.scheduled, drafts, computed_before, row_starts)
+        return outputs
+
+    def _note_preempted(self, preempted: list[Sequence]) -> None:
+        if self.speculator is not None:
+            for seq in preempted:
+                self.speculator.release(seq)
+        self.metrics.preemptions.inc(len(preempted))
+
+    def _note_first_scheduling(self, scheduled: list[ScheduledSeq]) -> None:
+        now = time.monotonic()
+        for s in scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+                self.metrics.on_scheduled(s.seq, now)
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
+        """Drafts by seq id; none when there is no drafter, or when it failed this step."""
+        if self.speculator is None:
+            return {}
+        drafts = self.speculator.propose(scheduled, self.metrics)
+        if not self.speculator.link.ready:
+            self.metrics.fallback_steps.inc()
+        return drafts
+
+    @staticmethod
+    def _advance(scheduled: list[ScheduledSeq]) -> list[int]:
+        """Count this step's query tokens as computed; the counts before, per sequence."""
+        computed_before = [s.seq.num_computed_tokens for s in scheduled]
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_query_tokens
+        return computed_before
+
+    def _accept(self, tracked: _Tracked, draft: list[int] | None, tokens: list[int]) -> RequestOutput | None:
+        """A sampling sequence's emitted tokens: accepted drafts (their KV is written), then output."""
+        if draft:
+            accepted = len(tokens) - 1
+            self.metrics.on_verified(len(draft), accepted)
+            tracked.seq.spec.record(len(draft), accepted)
+            tracked.seq.num_computed_tokens += accepted  # the accepted drafts' KV was written by the verify
+        return self._append_tokens(tracked, tokens)
+
+    def _append_tokens(self, tracked: _Tracked, tokens: list[int]) -> RequestOutput | None:
+        """Append emitted tokens, check stops, return the stream's increment."""
+        seq, detok = tracked.seq, tracked.detok
+        emitted: list[int] = []
+        reason = None
+        for token in tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            detok.add_token(token)
+            reason = self._stop_reason(seq, token, detok)
+            if reason is not None:
+                break
+        self._note_tokens(seq, len(emitted))
+        if reason is None:
+            text = detok.take(final=False)
+            return RequestOutput(seq.request_id, tuple(emitted), text) if emitted or text else None
+        del self._tracked[seq.request_id]
+        self._remove(seq)
+        return self._finish_output(tracked, reason, tuple(emitted))
+
+    def _note_tokens(self, seq: Sequence, n: int) -> None:
+        now = time.monotonic()
+        first = seq.first_token_time is None
+        self.metrics.on_tokens(seq, n, now, first, seq.last_token_time)
+        if first:
+            seq.first_token_time = now
+        seq.last_token_time = now
+
+    def _stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> FinishReason | None:
+        stop: StopParams = seq.request.stop
+        if token in stop.stop_token_ids:
+            return FinishReason.STOP
+        if not stop.ignore_eos and token in self.model_info.eos_token_ids:
+            return FinishReason.STOP
+        if detok.find_stop():
+            return FinishReason.STOP
+        if seq.num_output_tokens >= stop.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.model_info.max_model_len:
+            return FinishReason.MODEL_LENGTH
+        return None
+
+    def _finish_output(self, tracked: _Tracked, reason: FinishReason, tokens: tuple[int, ...]) -> RequestOutput:
+        self.metrics.on_finished(tracked.seq, reason.name.lower(), time.monotonic())
+        text = tracked.detok.take(final=True)
+        return RequestOutput(tracked.seq.request_id, tokens, text, reason, tracked.seq.usage())
+
+    # --- the drafter handshake (handshake.py) ---------------------------------------------
+
+    def handshake(self) -> bool:
+        """Negotiate and attach; a pool without the drafter's layers is re-planned, when idle."""
+        outcome = self.shared.handshake(may_replan=not self.scheduler.has_work)
+        if outcome.replanned:
+            self._use_pool()
+        if outcome.result is not None:
+            self.metrics.handshakes.labels(result=outcome.result).inc()
+        if outcome.ok:
+            self.speculator.reset()
+        return outcome.ok
+
+    def _use_pool(self) -> None:
+        """Page ids and runner views for the (idle) engine's new pool."""
+        self.page_manager = PageManager(self.layout.num_pages, self.layout.page_size)
+        self.scheduler.page_manager = self.page_manager
+        self.runner.install_pool(self.shared.pool)
+
+    # --- life ----------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """One prefill and a few decodes through every code path, then free everything."""
+        n = min(32, self.config.max_num_batched_tokens, self.model_info.max_model_len - 4)
+        request = EngineRequest(WARMUP_REQUEST_ID, tuple([0] * max(1, n)), stop=StopParams(max_tokens=3, ignore_eos=True))
+        served, self.metrics = self.metrics, TargetMetrics()  # warmup traffic is not served traffic
+        try:
+            self.add(request)
+            while request.request_id in self._tracked:
+                self.step()
+        finally:
+            self.metrics = served
+
+    def close(self) -> None:
+        self.shared.close()

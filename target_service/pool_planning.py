@@ -1,0 +1,91 @@
+"""How big the KV pool is and what it holds: every layer, target and draft, in one pool.
+
+The target plans its pool at start with its own layers, and again (when idle) whenever a
+drafter brings layers or a staging buffer the current pool lacks. The page count comes from an explicit `--num-pages`, or from the memory budget capped at what
+`max_num_seqs` sequences of `max_model_len` tokens can use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.attention_backends import select_backend
+from common.kv_layout import (
+    KV_DTYPES,
+    CacheConfig,
+    KVLayout,
+    StagingSpec,
+    build_layout,
+    bytes_per_page,
+    canonical_kv_dtype,
+    resolve_order,
+)
+from target_service.config import EngineConfig
+from target_service.drafter_link import DrafterFacts
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_num_pages(cache: CacheConfig, per_page: int, device: torch.device, max_num_seqs: int, max_model_len: int) -> int:
+    """Pages from the explicit count, or the memory budget capped at what the limits can use."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    budget = cache.memory_bytes or int(available_memory(device) * cache.memory_fraction)
+    useful = max_num_seqs * -(-max_model_len // cache.page_size) + 1
+    return max(1, min(budget // per_page, useful))
+
+
+def choose_backend(config: EngineConfig, model, device: torch.device) -> type:
+    """The attention backend class for this model, KV dtype and device (once, at start)."""
+    model_dtype = next(model.parameters()).dtype
+    kv_dtype = KV_DTYPES[canonical_kv_dtype(config.cache.cache_dtype, model_dtype)]
+    head_dims = tuple(sorted({spec.head_dim for spec in model.kv_layer_specs()}))
+    return select_backend(config.attention_backend, device, head_dims=head_dims, model_dtype=model_dtype,
+                          kv_dtype=kv_dtype)
+
+
+@dataclass(frozen=True)
+class PoolPlanner:
+    """Plans the pool for the target's model, attention backend and limits."""
+
+    config: EngineConfig
+    model: object  # common.qwen3.Qwen3ForCausalLM
+    backend_cls: type
+    device: torch.device
+    max_model_len: int
+
+    def plan(self, facts: DrafterFacts | None, target_id: str, epoch: int) -> KVLayout:
+        """Every layer (target and draft) and the staging buffer in one pool, sized by the budget."""
+        config, cache, model = self.config, self.config.cache, self.model
+        order = resolve_order(
+            cache.kv_layout,
+            target_supported=self.backend_cls.supported_orders(self.device),
+            target_preferred=self.backend_cls.preferred_order(self.device),
+            drafter_supported=facts.supported_orders if facts else None,
+        )
+        model_dtype = next(model.parameters()).dtype
+        kv_dtype = canonical_kv_dtype(cache.cache_dtype, model_dtype)
+        specs = model.kv_layer_specs() + (list(facts.layers) if facts else [])
+        staging = None
+        if facts and facts.target_layer_ids:
+            staging = StagingSpec(rows=config.max_num_batched_tokens,
+                                  width=len(facts.target_layer_ids) * model.hidden_size,
+                                  dtype=str(model_dtype).removeprefix("torch."), layer_ids=tuple(facts.target_layer_ids))
+        num_pages = plan_num_pages(cache, bytes_per_page(cache.page_size, kv_dtype, specs), self.device,
+                                   config.max_num_seqs, self.max_model_len)
+        return build_layout(order=order, page_size=cache.page_size, kv_dtype=kv_dtype, num_pages=num_pages,
+                            layers=specs, staging=staging, target_id=target_id, epoch=epoch)
+
+
+def same_regions(a: KVLayout, b: KVLayout) -> bool:
+    """Same storage plan (an epoch bump may reuse the pool)."""
+    return (a.order, a.page_size, a.kv_dtype, a.layers, a.staging, a.num_pages) == (
+        b.order, b.page_size, b.kv_dtype, b.layers, b.staging, b.num_pages)
