@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from splitspec.v1 import generation_pb2 as pb
-from tests.procs import REPO_ROOT, TOKEN, Service, free_port, server_info, stream_tokens
+from tests.procs import REPO_ROOT, TOKEN, Service, free_port, scrape_metrics, server_info, stream_tokens
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow
@@ -146,6 +146,42 @@ def test_readme_documents_every_exported_metric(stack):
     ours = {family_of(name) for name in exported if name.startswith("splitspec_")}
     missing = sorted(name for name in ours if name not in readme)
     assert not missing, f"README.md does not document {missing}"
+
+
+def _is_traffic(sample: str) -> bool:
+    """Samples that count requests, tokens or speculation (a handshake is not traffic)."""
+    name = sample.split("{", 1)[0]
+    return name.endswith(("_total", "_count", "_sum")) and name != "splitspec_drafter_handshakes_total"
+
+
+def test_warmup_traffic_never_reaches_served_metrics(tmp_path, shm_dir):
+    """The target warms up (a prefill and decodes, speculated: the drafter is attached)
+    before it reports SERVING. Scraped at that moment, every served counter and histogram
+    is still zero, while the drafter's own metrics show that warmup did propose."""
+    model = make_qwen3(tmp_path / "model")
+    target_metrics, draft_metrics = free_port(), free_port()
+    drafter = Service("draft_service.cli", ["--kind", "ngram", "--port", "0", "--metrics-port", str(draft_metrics)],
+                      tmp_path / "drafter.log")
+    target = None
+    try:
+        drafter.wait_serving()
+        target = Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir),
+                                                "--drafter", drafter.address, "--metrics-port", str(target_metrics)],
+                         tmp_path / "target.log")
+        target.wait_serving()
+        served = scrape_metrics(target_metrics)
+        assert scrape_metrics(draft_metrics)["splitspec_draft_propose_latency_seconds_count"] >= 1  # warmup proposed
+        assert served["splitspec_drafter_up"] == 1
+        assert served['splitspec_drafter_handshakes_total{result="ok"}'] == 1
+        traffic = {name: value for name, value in served.items() if _is_traffic(name)}
+        assert "splitspec_drafter_propose_latency_seconds_count" in traffic and len(traffic) >= 15
+        assert {name: value for name, value in traffic.items() if value} == {}
+        assert served["splitspec_kv_cache_free_pages"] == served["splitspec_kv_cache_pages"]
+        assert target.stop() == 0, target.log()
+    finally:
+        if target is not None:
+            target.kill()
+        drafter.stop()
 
 
 # ---------------------------------------------------------------- docker-compose
