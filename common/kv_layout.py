@@ -44,6 +44,12 @@ class LayoutResolutionError(ValueError):
     """No page order satisfies both the request and every backend involved."""
 
 
+def check_cache_dtype(name: str) -> None:
+    """A `--kv-cache-dtype` value: auto, or a KV dtype or one of its aliases."""
+    if name != "auto" and KV_DTYPE_ALIASES.get(name, name) not in KV_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPE_CHOICES)}, got {name!r}")
+
+
 def canonical_kv_dtype(name: str, model_dtype: torch.dtype) -> str:
     """Map a `--kv-cache-dtype` value to a key of `KV_DTYPES`."""
     if name == "auto":
@@ -267,8 +273,7 @@ class CacheConfig:
     layout_state: LayoutState = field(default_factory=LayoutState, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.cache_dtype != "auto" and KV_DTYPE_ALIASES.get(self.cache_dtype, self.cache_dtype) not in KV_DTYPES:
-            raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPE_CHOICES)}, got {self.cache_dtype!r}")
+        check_cache_dtype(self.cache_dtype)
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
         if self.kv_layout not in ("auto", *ORDERS):

@@ -14,8 +14,10 @@ from common.cli import (
     positive_int,
     run_service,
 )
+from common.attention_backends import BACKEND_CHOICES
+from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES
-from draft_service.drafters import DTYPES, KINDS
+from draft_service.drafters import KINDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                        help="most draft tokens per step (default 8; DFlash: block_size - 1, also its cap)")
     model.add_argument("--device", default="cpu", help="torch device; must be the target's (cpu, cuda, cuda:1)")
-    model.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+    model.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
     model.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
                        help="required KV page dtype (auto: whatever the target's pool uses)")
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ngram-max", type=positive_int, default=4, help="longest n-gram to match")
     add_threads_arg(model, "1 on a CPU, where the target owns the cores; torch's on a GPU")
 
-    model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
+    model.add_argument("--attention-backend", default="auto", choices=BACKEND_CHOICES,
                        help="auto: FlashInfer on CUDA when it fits the model, else torch")
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",

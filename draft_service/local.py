@@ -7,25 +7,26 @@ speculative step is the same.
 
 from __future__ import annotations
 
+from draft_service import server
 from draft_service.drafters import DrafterConfig, load_drafter
-from draft_service.server import DrafterHost
+from draft_service.host import DrafterHost
 
 
 class LocalDrafterStub:
-    """DrafterStub's methods, served by a `DrafterHost` in this process."""
+    """DrafterStub's methods, served by a `DrafterHost` in this process (the server's own calls)."""
 
     def __init__(self, config: DrafterConfig) -> None:
         self.host = DrafterHost()
-        self.host.drafter = load_drafter(config)
+        self.host.serve(load_drafter(config))
 
     def Negotiate(self, request, timeout=None, metadata=None):  # noqa: N802 (the stub's names)
-        return self.host.negotiate(request)
+        return server.negotiate(self.host, request)
 
     def Attach(self, request, timeout=None, metadata=None):  # noqa: N802
-        return self.host.attach(request)
+        return server.attach(self.host, request)
 
     def Propose(self, request, timeout=None, metadata=None):  # noqa: N802
-        return self.host.propose(request)
+        return server.propose(self.host, request)
 
     def Release(self, request, timeout=None, metadata=None):  # noqa: N802
-        return self.host.release(request)
+        return server.release(self.host, request)

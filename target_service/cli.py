@@ -15,7 +15,9 @@ from common.cli import (
     positive_int,
     run_service,
 )
-from common.kv_layout import CACHE_DTYPE_CHOICES, CacheConfig
+from common.attention_backends import BACKEND_CHOICES
+from common.dtypes import DTYPE_CHOICES
+from common.kv_layout import CACHE_DTYPE_CHOICES, ORDERS, CacheConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
     model.add_argument("--hf-cache-dir", default=None, help="Hugging Face cache to resolve ids from")
     model.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
-    model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    model.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                        help="compute dtype (auto: the checkpoint's on GPU, float32 on CPU)")
     model.add_argument("--max-model-len", type=positive_int, default=None,
                        help="prompt + completion token limit (default: from the model config)")
-    model.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
+    model.add_argument("--attention-backend", default="auto", choices=BACKEND_CHOICES,
                        help="attention kernels (auto: the best one for the device)")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     add_threads_arg(model, "torch's, one per core")
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
                        help="KV page dtype (auto: the model dtype; fp8 = fp8_e4m3)")
     cache.add_argument("--page-size", type=positive_int, default=16, help="tokens per page (a power of two)")
-    cache.add_argument("--kv-layout", default="auto", choices=("auto", "NHD", "HND"),
+    cache.add_argument("--kv-layout", default="auto", choices=("auto", *ORDERS),
                        help="page order (auto: the attention backend's preference)")
     budget = cache.add_mutually_exclusive_group()
     budget.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",

@@ -23,6 +23,15 @@ from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
 
 KINDS = ("dflash", "draft_model", "ngram")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 8
+
+
+def check_num_speculative_tokens(k: int, limit: int | None = None) -> None:
+    """The one rule for a drafter's K: at least 1, and at most `limit` where the model caps it."""
+    if limit is not None and not 1 <= k <= limit:
+        raise ValueError(f"num_speculative_tokens must be in 1..{limit} (DFlash block_size - 1), got {k}")
+    if k <= 0:
+        raise ValueError(f"num_speculative_tokens must be positive, got {k}")
 
 
 class IncompatibleTargetError(Exception):
@@ -122,18 +131,20 @@ ProposeItem = tuple[DraftSequence, "torch.Tensor | None", int]
 class Drafter:
     """Base of every drafter: sequence bookkeeping plus the hooks a kind implements.
 
-    Subclasses set `kind`, `num_speculative_tokens` and `device`, and implement
-    `propose`; the ones with layers in the pool derive from `PooledDrafter` and
-    override `layer_specs`.
+    Subclasses set `kind` and implement `propose`; the ones with layers in the pool derive
+    from `PooledDrafter` and override `layer_specs`. K is checked here, once.
     """
 
     kind: str = ""
-    num_speculative_tokens: int = 0
     model_id: str = ""
     vocab_size: int | None = None  # None: token ids are not checked against a vocabulary
     feature_width: int = 0  # staging row width the drafter reads (0: no staging)
 
-    def __init__(self, cache_config: CacheConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cache_config: CacheConfig, device: torch.device | str = "cpu",
+                 num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, *,
+                 max_speculative_tokens: int | None = None) -> None:
+        check_num_speculative_tokens(num_speculative_tokens, max_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
         self.cache_config = cache_config
         self.device = torch.device(device)
         self.sequences: dict[int, DraftSequence] = {}
@@ -228,12 +239,15 @@ class PooledDrafter(Drafter):
     # (DFlash's block [last token, mask x k] writes one more than a draft LM does).
     extra_kv_slots = 0
 
-    def __init__(self, cache_config: CacheConfig, device: torch.device | str) -> None:
-        super().__init__(cache_config, device)
+    def __init__(self, cache_config: CacheConfig, model: torch.nn.Module, num_speculative_tokens: int,
+                 attention_backend: str = "auto", *, max_speculative_tokens: int | None = None) -> None:
+        params = next(model.parameters())
+        super().__init__(cache_config, params.device, num_speculative_tokens,
+                         max_speculative_tokens=max_speculative_tokens)
         self._backend = None  # an AttentionBackend over the bound layout
         self._kv_caches: dict[int, torch.Tensor] = {}
-        self.attention_backend = "auto"  # --attention-backend
-        self.model_dtype: torch.dtype | None = None
+        self.attention_backend = attention_backend  # --attention-backend
+        self.model_dtype = params.dtype
 
     def backend_class(self, kv_dtype: torch.dtype | None = None) -> type:
         head_dims = tuple(sorted({spec.head_dim for spec in self.layer_specs()}))

@@ -12,6 +12,7 @@ from the target checkpoint (`load_target_heads`), never the whole target.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ from draft_service.drafters.base import (
     mismatch,
     raise_mismatches,
 )
+
+log = logging.getLogger(__name__)
 
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
@@ -85,29 +88,31 @@ class DFlashDrafter(PooledDrafter):
         model: DFlashDraftModel,
         heads: Qwen3ForCausalLM,
         cache_config: CacheConfig,
-        num_speculative_tokens: int | None = None,
+        num_speculative_tokens: int | None = None,  # None: the model's block_size - 1, also its cap
         model_id: str = "",
+        attention_backend: str = "auto",
     ) -> None:
-        super().__init__(cache_config, next(model.parameters()).device)
         limit = model.num_speculative_tokens
-        k = limit if num_speculative_tokens is None else num_speculative_tokens
-        if not 1 <= k <= limit:
-            raise ValueError(f"num_speculative_tokens must be in 1..{limit} (DFlash block_size - 1), got {k}")
+        super().__init__(cache_config, model, limit if num_speculative_tokens is None else num_speculative_tokens,
+                         attention_backend, max_speculative_tokens=limit)
         self.model = model
         self.heads = heads
-        self.num_speculative_tokens = k
         self.model_id = model_id
         self.vocab_size = heads.vocab_size
         self.feature_width = model.feature_width
 
     @classmethod
-    def load(
-        cls, path: str, target_path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int | None
-    ) -> DFlashDrafter:
+    def load(cls, path: str, target_path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str,
+             k: int | None, attention_backend: str = "auto") -> DFlashDrafter:
+        """`k` above the model's cap (block_size - 1) is lowered to it, with a warning."""
         heads = load_target_heads(target_path, dtype, device)
         target = TargetHeads(embed=heads.embed, lm_head=heads.lm_head)
         model = DFlashDraftModel.from_pretrained(path, target, dtype, device)
-        return cls(model, heads, cache_config, k, model_id=str(path))
+        limit = model.num_speculative_tokens
+        if k is not None and k > limit:
+            log.warning("--num-speculative-tokens %d exceeds DFlash block_size - 1; using %d", k, limit)
+            k = limit
+        return cls(model, heads, cache_config, k, model_id=str(path), attention_backend=attention_backend)
 
     # -- handshake ------------------------------------------------------------------------
 

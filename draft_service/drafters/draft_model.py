@@ -17,6 +17,7 @@ from common.attention_metadata import AttentionMetadata
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from draft_service.drafters.base import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
     DraftSequence,
     PooledDrafter,
     ProposeItem,
@@ -29,20 +30,19 @@ from draft_service.drafters.base import (
 class DraftModelDrafter(PooledDrafter):
     kind = "draft_model"
 
-    def __init__(
-        self, model: Qwen3ForCausalLM, cache_config: CacheConfig, num_speculative_tokens: int = 8, model_id: str = ""
-    ) -> None:
-        super().__init__(cache_config, next(model.parameters()).device)
-        if num_speculative_tokens <= 0:
-            raise ValueError(f"num_speculative_tokens must be positive, got {num_speculative_tokens}")
+    def __init__(self, model: Qwen3ForCausalLM, cache_config: CacheConfig,
+                 num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, model_id: str = "",
+                 attention_backend: str = "auto") -> None:
+        super().__init__(cache_config, model, num_speculative_tokens, attention_backend)
         self.model = model
-        self.num_speculative_tokens = num_speculative_tokens
         self.model_id = model_id
         self.vocab_size = model.vocab_size
 
     @classmethod
-    def load(cls, path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int) -> DraftModelDrafter:
-        return cls(Qwen3ForCausalLM.from_pretrained(path, dtype, device), cache_config, k, model_id=str(path))
+    def load(cls, path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int,
+             attention_backend: str = "auto") -> DraftModelDrafter:
+        model = Qwen3ForCausalLM.from_pretrained(path, dtype, device)
+        return cls(model, cache_config, k, model_id=str(path), attention_backend=attention_backend)
 
     # -- handshake ------------------------------------------------------------------------
 

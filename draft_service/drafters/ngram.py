@@ -26,12 +26,9 @@ class NgramDrafter(Drafter):
     def __init__(
         self, cache_config: CacheConfig, num_speculative_tokens: int = 8, min_n: int = 1, max_n: int = 4
     ) -> None:
-        super().__init__(cache_config, "cpu")
-        if num_speculative_tokens <= 0:
-            raise ValueError(f"num_speculative_tokens must be positive, got {num_speculative_tokens}")
+        super().__init__(cache_config, "cpu", num_speculative_tokens)
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes need 1 <= min <= max, got min {min_n}, max {max_n}")
-        self.num_speculative_tokens = num_speculative_tokens
         self.min_n, self.max_n = min_n, max_n
         self.model_id = f"ngram[{min_n}..{max_n}]"
 
