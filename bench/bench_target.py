@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.compare import run_engine  # noqa: E402
 from common.kv_layout import CacheConfig  # noqa: E402
+from splitspec.tiny_models import PROMPTS, make_qwen3  # noqa: E402
 from target_service.config import EngineConfig  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
-from bench.compare import run_engine  # noqa: E402
-from tests.tiny_models import PROMPTS, make_qwen3  # noqa: E402
 
 
 def bench_transformers(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:

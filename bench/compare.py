@@ -41,7 +41,7 @@ from common.kv_layout import CacheConfig  # noqa: E402
 from draft_service.drafters import DrafterConfig  # noqa: E402
 from draft_service.local import LocalDrafterStub  # noqa: E402
 from splitspec.heldout import held_out_prompts  # noqa: E402
-from splitspec.up import free_port  # noqa: E402
+from splitspec.net import free_port  # noqa: E402
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams  # noqa: E402
 from target_service.config import EngineConfig  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import grpc
 
-TOKEN_ENV = "SPLITSPEC_INTERNAL_TOKEN"
+from splitspec.contract import TOKEN_ENV
+
 METADATA_KEY = "authorization"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.attention_backends import BACKEND_CHOICES
 from common.cli import (
     HelpFormatter,
     add_log_level,
@@ -14,7 +15,6 @@ from common.cli import (
     positive_int,
     run_service,
 )
-from common.attention_backends import BACKEND_CHOICES
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES
 from draft_service.drafters import KINDS

@@ -30,7 +30,7 @@ from common.pool_transport import TransportError
 from common.threads import apply_threads, drafter_threads
 from draft_service import convert
 from draft_service.drafters import DrafterConfig, IncompatibleTargetError, load_drafter
-from draft_service.host import MiB, DrafterHost, HandshakeError, InvalidArgumentError, NotReadyError
+from draft_service.host import DrafterHost, HandshakeError, InvalidArgumentError, MiB, NotReadyError
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 

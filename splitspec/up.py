@@ -26,7 +26,8 @@ from pathlib import Path
 
 import grpc
 
-from common.auth import TOKEN_ENV
+from splitspec.contract import TOKEN_ENV
+from splitspec.net import free_port
 
 DRAFTERS = ("dflash", "draft_model", "ngram", "none")
 DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "demo"
@@ -182,14 +183,6 @@ def model_dirs(models: Path, drafter: str) -> tuple[Path, Path | None]:
             raise UpError(f"no checkpoint in {folder}: train the demo pair with "
                           f"`python scripts/train_demo.py` or pass --models DIR")
     return target, draft
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.attention_backends import BACKEND_CHOICES
 from common.cli import (
     HelpFormatter,
     add_log_level,
@@ -15,7 +16,6 @@ from common.cli import (
     positive_int,
     run_service,
 )
-from common.attention_backends import BACKEND_CHOICES
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES, ORDERS, CacheConfig
 
@@ -106,8 +106,8 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def serve_config(args: argparse.Namespace):
     from common.auth import load_internal_token
-    from target_service.convert import RequestDefaults
     from target_service.config import EngineConfig
+    from target_service.convert import RequestDefaults
     from target_service.server import ServeConfig, TLSConfig
 
     engine = EngineConfig(

@@ -9,8 +9,8 @@ import torch
 from common.attention_metadata import AttentionMetadata
 from common.kv_pool import PagePool
 from target_service.sampling import SamplingSpec
-from target_service.spec_decode import verify_tokens
 from target_service.scheduler import ScheduledSeq
+from target_service.spec_decode import verify_tokens
 
 
 @dataclass

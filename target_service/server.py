@@ -28,6 +28,7 @@ from common.grpc_server import (
 )
 from common.kv_layout import LayoutNotResolvedError
 from common.metrics_http import metrics_host, start_metrics_server
+from splitspec.contract import REQUEST_ID_METADATA
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service import convert
@@ -38,7 +39,6 @@ from target_service.config import EngineConfig
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "splitspec.v1.Generation"
-REQUEST_ID_METADATA = "splitspec-request-id"
 MiB = 1 << 20
 
 

@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.kv_pool import SHM_PREFIX, SHM_SUFFIX
-from splitspec.up import free_port  # noqa: F401 (tests import it from here)
+from splitspec.net import free_port  # noqa: F401 (tests import it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
@@ -142,6 +142,25 @@ def server_info(address: str):
 
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.GenerationStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+
+
+def wait_drafter(address: str, status: int, timeout: float = 90.0):
+    """ServerInfo once the target's drafter is in `status` (a DrafterState.Status; else the test fails)."""
+    from splitspec.v1 import generation_pb2 as pb
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = server_info(address)
+        if info.drafter.status == status:
+            return info
+        time.sleep(0.2)
+    pytest.fail(f"drafter state never became {pb.DrafterState.Status.Name(status)}: {server_info(address)}")
+
+
+def client_cmd() -> list[str]:
+    """The `splitspec` client command of this environment."""
+    script = Path(sys.executable).with_name("splitspec")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "splitspec.cli"]
 
 
 def wait_idle(address: str, timeout: float = 30.0):

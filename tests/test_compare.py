@@ -7,8 +7,7 @@ import shutil
 import pytest
 
 from bench import compare
-from tests.test_dflash_parity import TARGET_LAYERS, make_reference_dflash
-from tests.tiny_models import make_qwen3
+from tests.tiny_models import TARGET_LAYERS, make_qwen3, make_reference_dflash
 
 pytestmark = pytest.mark.slow
 

@@ -27,6 +27,9 @@ from safetensors.torch import load_file, save_file
 
 from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
+from common.kv_layout import build_layout
+from common.kv_pool import PagePool
+from common.qwen3 import WeightLoadError
 from draft_service.dflash_model import (
     DFlashConfig,
     DFlashConfigError,
@@ -35,15 +38,17 @@ from draft_service.dflash_model import (
     TargetHeads,
     build_target_layer_ids,
 )
-from common.kv_layout import build_layout
-from common.kv_pool import PagePool
-from common.qwen3 import WeightLoadError
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.tiny_models import (
+    PROMPTS,
+    REFERENCE_DFLASH_K,
+    TARGET_LAYER_IDS,
+    TARGET_LAYERS,
+    make_qwen3,
+    make_reference_dflash,
+)
 
 CPU = torch.device("cpu")
-K = 4  # draft tokens per block
-TARGET_LAYERS = 4
-TARGET_LAYER_IDS = [0, 2]
+K = REFERENCE_DFLASH_K  # draft tokens per block
 PAGE_SIZE = 4
 NUM_PAGES = 96
 LOGIT_ATOL = 1e-4
@@ -53,45 +58,7 @@ FP8_MIN_AGREEMENT = 0.8  # fraction of greedy draft tokens equal to the referenc
 
 
 # ---------------------------------------------------------------------------------------
-# Checkpoints and the reference
-
-
-def make_reference_dflash(
-    out_dir: Path, *, vocab_size: int, mask_token_id: int, seed: int = 0, hidden_size: int = 64
-) -> Path:
-    """A tiny random z-lab DFlash checkpoint saved by the reference package itself.
-
-    Its head layout (4 query heads, 1 KV head of dim 32) differs from the target's on
-    purpose. Projections are scaled up so that the context and the block matter, and the
-    final norm so that greedy choices are not near-ties."""
-    from dflash.model import DFlashDraftModel as ReferenceDraft
-    from transformers import Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        num_target_layers=TARGET_LAYERS,
-        dflash_config={
-            "mask_token_id": mask_token_id, "target_layer_ids": TARGET_LAYER_IDS, "block_size": K + 1
-        },
-    )
-    torch.manual_seed(seed)
-    model = ReferenceDraft(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("proj.weight") or name == "fc.weight":
-                param.mul_(8.0)
-        model.norm.weight.mul_(4.0)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+# Checkpoints and the reference (tests/tiny_models.py builds the reference's checkpoint)
 
 
 @dataclass

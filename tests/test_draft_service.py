@@ -27,7 +27,7 @@ from common.kv_pool import PagePool
 from common.layout_proto import kv_layout_to_proto, layer_spec_from_proto
 from common.pool_transport import export_pool, write_canary
 from draft_service.drafters import resolve_kind
-from draft_service.drafters.base import DraftSequence, Drafter, Update
+from draft_service.drafters.base import Drafter, DraftSequence, Update
 from draft_service.drafters.ngram import ngram_lookup
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc

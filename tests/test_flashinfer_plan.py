@@ -292,8 +292,8 @@ def test_dflash_blocks_match_the_torch_backend(order, kv_dtype):
     """The DFlash drafter's context writes and non-causal query blocks, batched, both backends."""
     from transformers import Qwen3Config
 
-    from draft_service.dflash_model import DFlashDraftModel, TargetHeads
     from common.qwen3 import Qwen3ForCausalLM
+    from draft_service.dflash_model import DFlashDraftModel, TargetHeads
     from tests.tiny_models import qwen3_config
 
     torch.manual_seed(0)

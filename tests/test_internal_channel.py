@@ -27,8 +27,7 @@ from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import REPO_ROOT, TOKEN, Service, private_shm_dir
-from tests.test_server import _client_cmd
+from tests.procs import REPO_ROOT, TOKEN, Service, client_cmd, private_shm_dir
 from tests.tiny_models import PROMPTS, make_qwen3
 
 MiB = 1 << 20
@@ -123,7 +122,7 @@ def test_the_client_cli_speaks_tls_with_tls_ca(tls_target, tls_files):
     cert, _ = tls_files
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*_client_cmd(), *args], check=False, capture_output=True, text=True, timeout=60,
+        return subprocess.run([*client_cmd(), *args], check=False, capture_output=True, text=True, timeout=60,
                               cwd=REPO_ROOT)
 
     done = run("generate", "--target", tls_target.address, "--tls-ca", str(cert), "--max-tokens", "4",

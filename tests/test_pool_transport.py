@@ -1,18 +1,16 @@
 """Sharing the pool: shm on the CPU (tested here), CUDA IPC (marked cuda).
 
-`two_process_ipc_check` is also run by tests/gpu/run_gpu_checks.py, which reports what
-it observed.
+`two_process_ipc_check` (tests/ipc_check.py) is also run by tests/gpu/run_gpu_checks.py,
+which reports what it observed.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import pytest
 import torch
 
-from common.kv_layout import LayerSpec, StagingSpec, build_layout
 from common.kv_pool import PagePool
 from common.pool_transport import (
     Canary,
@@ -30,16 +28,11 @@ from common.pool_transport import (
     write_canary,
 )
 from splitspec.v1 import drafter_pb2 as dpb
-
-
-def _layout(**kw):
-    layers = [LayerSpec("target", 0, 2, 16), LayerSpec("draft", 0, 1, 16)]
-    return build_layout(order="HND", page_size=4, kv_dtype="fp8_e4m3", num_pages=6, layers=layers,
-                        staging=StagingSpec(rows=4, width=8), target_id="beef", **kw)
+from tests.ipc_check import ipc_layout, two_process_ipc_check
 
 
 def test_shm_export_map_and_canary(tmp_path):
-    pool = PagePool.create(_layout(), torch.device("cpu"), tmp_path)
+    pool = PagePool.create(ipc_layout(), torch.device("cpu"), tmp_path)
     canary = write_canary(pool)
     handle = dpb.PoolHandle.FromString(export_pool(pool).SerializeToString())
     assert handle.WhichOneof("transport") == "shm" and handle.shm.path == str(pool.path)
@@ -53,7 +46,7 @@ def test_shm_export_map_and_canary(tmp_path):
 
 
 def test_shm_map_errors_name_the_problem(tmp_path):
-    layout = _layout()
+    layout = ipc_layout()
     missing = dpb.PoolHandle(shm=dpb.ShmHandle(path=str(tmp_path / "gone.kv"), size=layout.total_bytes))
     with pytest.raises(TransportError, match="cannot map the target's KV pool"):
         map_pool(layout, missing)
@@ -82,7 +75,7 @@ def test_cuda_ipc_on_a_machine_without_cuda_says_so():
         pytest.skip("this machine has CUDA")
     handle = dpb.PoolHandle(cuda_ipc=dpb.CudaIpcHandle(device_uuid="GPU-x", handle=b"h"))
     with pytest.raises(TransportError, match="sees no CUDA device"):
-        map_pool(_layout(), handle)
+        map_pool(ipc_layout(), handle)
 
 
 def test_expandable_segments_are_refused(monkeypatch):
@@ -124,10 +117,10 @@ def _cuda_handle(**overrides) -> dpb.CudaIpcHandle:
     ({"storage_size": 100}, "is 100 bytes, the layout needs"),
 ])
 def test_cuda_handle_fields_are_checked_before_any_cuda_call(overrides, message):
-    check_cuda_handle(_layout(), _cuda_handle())
-    check_cuda_handle(_layout(), _cuda_handle(event_handle=b"", event_sync_required=False))
+    check_cuda_handle(ipc_layout(), _cuda_handle())
+    check_cuda_handle(ipc_layout(), _cuda_handle(event_handle=b"", event_sync_required=False))
     with pytest.raises(TransportError, match=message):
-        check_cuda_handle(_layout(), _cuda_handle(**overrides))
+        check_cuda_handle(ipc_layout(), _cuda_handle(**overrides))
 
 
 def test_a_handle_exported_by_this_process_is_recognized():
@@ -159,7 +152,7 @@ def test_pool_exports_keep_replaced_pools_until_the_drafter_attaches_again(tmp_p
     import dataclasses
 
     exports = PoolExports()
-    first = PagePool.create(_layout(epoch=1), torch.device("cpu"), tmp_path)
+    first = PagePool.create(ipc_layout(epoch=1), torch.device("cpu"), tmp_path)
     canary = write_canary(first)
     mapped = map_pool(first.layout, exports.export(first))  # the drafter maps epoch 1
     exports.attached("beef", 1)
@@ -168,7 +161,7 @@ def test_pool_exports_keep_replaced_pools_until_the_drafter_attaches_again(tmp_p
     exports.export(first)
     exports.attached("beef", 2)
     assert exports.live == [("beef", 2)] and first.path.exists(), "the live pool must stay"
-    second = PagePool.create(_layout(epoch=3), torch.device("cpu"), tmp_path)  # a re-plan replaces it
+    second = PagePool.create(ipc_layout(epoch=3), torch.device("cpu"), tmp_path)  # a re-plan replaces it
     first.close()  # the engine lets go of the old pool ...
     exports.export(second)
     assert exports.holds(first) and read_canary(mapped, canary)  # ... the drafter still reads it
@@ -184,73 +177,6 @@ def test_pool_exports_keep_replaced_pools_until_the_drafter_attaches_again(tmp_p
 # CUDA IPC between two processes (here under pytest on a GPU; also run by tests/gpu/)
 
 
-def _drafter_process(layout, handle_bytes: bytes, canary: Canary, conn) -> None:
-    """Plays the drafter: map, read canary and a target page, write a draft page, and again
-    after the target has let go of its own reference to the pool."""
-    try:
-        pool = map_pool(layout, dpb.PoolHandle.FromString(handle_bytes))
-        first = (read_canary(pool, canary), pool.region(layout.layer("target", 0))[2].float().sum().item(),
-                 str(pool.device), pool.raw_bytes().data_ptr() != 0)
-        pool.region(layout.layer("draft", 0))[1].fill_(3.0)
-        sync_for_handoff(pool.device)
-        conn.send(("mapped", first))
-        assert conn.recv() == "again"
-        again = (read_canary(pool, canary), pool.region(layout.layer("target", 0))[2].float().sum().item())
-        del pool
-        torch.cuda.synchronize()
-        conn.send(("again", again))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails with it
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-def two_process_ipc_check(device: torch.device, timeout: float = 120.0) -> dict:
-    """Target here, drafter in a spawned process; what each side saw."""
-    import time
-
-    layout = _layout()
-    pool = PagePool.create(layout, device)
-    pool.region(layout.layer("target", 0))[2].fill_(1.0)
-    canary = write_canary(pool)
-    exports = PoolExports()
-    handle = exports.export(pool)
-    report = {"device_uuid": handle.cuda_ipc.device_uuid, "handle_bytes": len(handle.cuda_ipc.handle),
-              "pool_bytes": layout.total_bytes, "page_values": pool.region(layout.layer("target", 0))[2].numel()}
-    ctx = multiprocessing.get_context("spawn")
-    parent, child_end = ctx.Pipe()
-    child = ctx.Process(target=_drafter_process, args=(layout, handle.SerializeToString(), canary, child_end))
-    start = time.monotonic()
-    child.start()
-    try:
-        kind, first = _receive(parent, timeout)
-        report["mapped_s"] = round(time.monotonic() - start, 3)
-        if kind == "error":
-            raise TransportError(first)
-        report["canary_ok"], report["target_page_sum"], report["drafter_device"], _ = first
-        sync_for_handoff(device)
-        report["draft_page_written"] = bool(pool.region(layout.layer("draft", 0))[1].float().eq(3.0).all())
-        del pool  # the target lets go; the exports keep the storage alive for the drafter
-        junk = [torch.full((1 << 20,), 0xAB, dtype=torch.uint8, device=device) for _ in range(8)]
-        parent.send("again")
-        kind, again = _receive(parent, timeout)
-        if kind == "error":
-            raise TransportError(again)
-        report["canary_ok_after_target_let_go"], report["target_page_sum_after"] = again
-        del junk
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
-        exports.close()
-    report["drafter_exit_code"] = child.exitcode
-    return report
-
-
-def _receive(conn, timeout: float):
-    if not conn.poll(timeout):
-        raise TimeoutError(f"the drafter process said nothing within {timeout} s")
-    return conn.recv()
-
-
 @pytest.mark.cuda
 def test_cuda_ipc_between_two_processes():
     report = two_process_ipc_check(torch.device("cuda", 0))
@@ -263,7 +189,7 @@ def test_cuda_ipc_between_two_processes():
 
 @pytest.mark.cuda
 def test_cuda_ipc_in_the_exporting_process_is_a_clear_error():
-    pool = PagePool.create(_layout(), torch.device("cuda", 0))
+    pool = PagePool.create(ipc_layout(), torch.device("cuda", 0))
     handle = export_pool(pool)
     with pytest.raises(TransportError, match="this very process"):
         map_pool(pool.layout, handle)

@@ -3,7 +3,7 @@
 import pytest
 
 from target_service.api_types import EngineRequest
-from target_service.page_manager import PageManager, OutOfPagesError
+from target_service.page_manager import OutOfPagesError, PageManager
 from target_service.scheduler import Scheduler, SchedulerConfig
 from target_service.sequence import Sequence, SequenceStatus
 

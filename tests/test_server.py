@@ -14,7 +14,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -34,7 +33,7 @@ from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service import convert
 from target_service.api_types import FinishReason
 from target_service.server import ERRORS, SERVICE_NAME, EngineSlot
-from tests.procs import REPO_ROOT, Service, pool_files, private_shm_dir
+from tests.procs import REPO_ROOT, Service, client_cmd, pool_files, private_shm_dir
 from tests.tiny_models import PROMPTS, make_qwen3
 
 NUM_PAGES = 512
@@ -494,15 +493,10 @@ def test_concurrent_streams_match_their_solo_runs_and_free_every_page(stub):
 # ---------------------------------------------------------------- the client CLI
 
 
-def _client_cmd() -> list[str]:
-    script = Path(sys.executable).with_name("splitspec")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "splitspec.cli"]
-
-
 def test_splitspec_generate_prints_the_text(server, stub):
     prompt = PROMPTS[7]
     _, expected, _ = generate(stub, request(prompt, max_tokens=12))
-    cmd = [*_client_cmd(), "generate", "--target", server.address, "--max-tokens", "12", "--ignore-eos",
+    cmd = [*client_cmd(), "generate", "--target", server.address, "--max-tokens", "12", "--ignore-eos",
            prompt]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
@@ -511,26 +505,26 @@ def test_splitspec_generate_prints_the_text(server, stub):
 
 
 def test_splitspec_generate_reports_invalid_argument(server):
-    cmd = [*_client_cmd(), "generate", "--target", server.address, "--top-p", "2", "hi"]
+    cmd = [*client_cmd(), "generate", "--target", server.address, "--top-p", "2", "hi"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 1
     assert "INVALID_ARGUMENT" in done.stderr and "sampling.top_p" in done.stderr
 
 
 def test_splitspec_info_prints_model_and_server(server):
-    cmd = [*_client_cmd(), "info", "--target", server.address]
+    cmd = [*client_cmd(), "info", "--target", server.address]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert "Qwen3ForCausalLM" in done.stdout and f"num_pages: {NUM_PAGES}" in done.stdout
 
 
 def test_splitspec_health_is_the_compose_healthcheck(server):
-    done = subprocess.run([*_client_cmd(), "health", server.address], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([*client_cmd(), "health", server.address], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
     from tests.procs import free_port
 
     closed = f"127.0.0.1:{free_port()}"
-    done = subprocess.run([*_client_cmd(), "health", closed, "--timeout", "1"], capture_output=True, text=True,
+    done = subprocess.run([*client_cmd(), "health", closed, "--timeout", "1"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 1 and "UNAVAILABLE" in done.stderr
 

@@ -23,8 +23,16 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, collect_stream, free_port, private_shm_dir, rss_kib, stream_tokens, wait_idle
-from tests.test_speculative_faults import wait_drafter
+from tests.procs import (
+    Service,
+    collect_stream,
+    free_port,
+    private_shm_dir,
+    rss_kib,
+    stream_tokens,
+    wait_drafter,
+    wait_idle,
+)
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,7 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from tests.procs import Service, stream_tokens
-from tests.test_dflash_parity import TARGET_LAYERS, make_reference_dflash
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24

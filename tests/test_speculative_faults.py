@@ -6,7 +6,6 @@ import contextlib
 import shutil
 import signal
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,9 +20,8 @@ from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service.api_types import EngineRequest, StopParams
 from target_service.config import EngineConfig
 from target_service.engine import build_engine_core
-from tests.procs import TOKEN, Service, free_port, server_info, stream_tokens
-from tests.test_dflash_parity import TARGET_LAYERS, make_reference_dflash
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.procs import TOKEN, Service, free_port, server_info, stream_tokens, wait_drafter
+from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash
 
 pytestmark = pytest.mark.slow
 READY = pb.DrafterState.STATUS_READY
@@ -69,16 +67,6 @@ def request(prompt: str, max_tokens: int, **kw) -> pb.GenerateRequest:
     sampling = kw.pop("sampling", None)
     return pb.GenerateRequest(text=prompt, stop=pb.StopParams(max_tokens=max_tokens, ignore_eos=True),
                               speculation=pb.SpeculationParams(**kw), sampling=sampling)
-
-
-def wait_drafter(address: str, status: int, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = server_info(address)
-        if info.drafter.status == status:
-            return info
-        time.sleep(0.2)
-    pytest.fail(f"drafter state never became {pb.DrafterState.Status.Name(status)}: {server_info(address)}")
 
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])

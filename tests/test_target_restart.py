@@ -32,9 +32,9 @@ from tests.procs import (
     scrape_metrics,
     server_info,
     stream_tokens,
+    wait_drafter,
     wait_idle,
 )
-from tests.test_speculative_faults import wait_drafter
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow

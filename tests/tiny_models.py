@@ -1,91 +1,54 @@
-"""Tiny checkpoints in the real Hugging Face formats, built locally (no hub access).
-
-`make_tokenizer` trains a byte-level BPE on a few Python source files of the running
-interpreter; `make_qwen3` saves a random `Qwen3ForCausalLM` beside it.
-"""
+"""Tiny checkpoints for tests: the shared recipes (splitspec/tiny_models.py, which the
+benchmarks use too) and a reference DFlash drafter saved by z-lab's own package."""
 
 from __future__ import annotations
 
-import inspect
-import json
 from pathlib import Path
 
 import torch
 
-from splitspec.tokenizer import train_bpe_tokenizer
+from splitspec.tiny_models import PROMPTS, make_qwen3, make_tokenizer, qwen3_config  # noqa: F401 (re-exported)
+
+# The reference DFlash drafter's shape: it drafts K tokens per block from the hidden states of
+# target layers TARGET_LAYER_IDS of a TARGET_LAYERS-layer target.
+REFERENCE_DFLASH_K = 4
+TARGET_LAYERS = 4
+TARGET_LAYER_IDS = [0, 2]
 
 
-def _training_text() -> list[str]:
-    import collections
-    import dataclasses
-    import json as json_module
+def make_reference_dflash(
+    out_dir: Path, *, vocab_size: int, mask_token_id: int, seed: int = 0, hidden_size: int = 64
+) -> Path:
+    """A tiny random z-lab DFlash checkpoint saved by the reference package itself.
 
-    return [inspect.getsource(m) for m in (collections, dataclasses, json_module.decoder)]
-
-
-def make_tokenizer(out_dir: Path, vocab_size: int = 512):
-    """A byte-level BPE tokenizer that `AutoTokenizer.from_pretrained(out_dir)` loads."""
-    return train_bpe_tokenizer(_training_text(), vocab_size, out_dir)
-
-
-def qwen3_config(vocab_size: int, **overrides):
+    Its head layout (4 query heads, 1 KV head of dim 32) differs from the target's on
+    purpose. Projections are scaled up so that the context and the block matter, and the
+    final norm so that greedy choices are not near-ties."""
+    from dflash.model import DFlashDraftModel as ReferenceDraft
     from transformers import Qwen3Config
 
-    fields = dict(
+    config = Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_key_value_heads=1,
+        head_dim=32,
         max_position_embeddings=512,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=0,
-        pad_token_id=0,
+        num_target_layers=TARGET_LAYERS,
+        dflash_config={
+            "mask_token_id": mask_token_id, "target_layer_ids": TARGET_LAYER_IDS, "block_size": REFERENCE_DFLASH_K + 1
+        },
     )
-    fields.update(overrides)
-    return Qwen3Config(**fields)
-
-
-def make_qwen3(out_dir: Path, *, seed: int = 0, tokenizer_vocab: int = 512, **overrides) -> Path:
-    """Save a random Qwen3ForCausalLM (float32 safetensors) and its tokenizer to out_dir."""
-    from transformers import Qwen3ForCausalLM
-
-    tokenizer = make_tokenizer(out_dir, tokenizer_vocab)
-    config = qwen3_config(len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).eval()
-    # Random init gives near-uniform logits; widen them so greedy choices are not near-ties.
+    model = ReferenceDraft(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight") or name == "fc.weight":
+                param.mul_(8.0)
+        model.norm.weight.mul_(4.0)
     model.save_pretrained(out_dir, safe_serialization=True)
-    generation_config = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation_config))
     return out_dir
-
-
-PROMPTS = [
-    "def fibonacci(n):",
-    "import os\nimport sys\n",
-    "class Point:\n    def __init__(self, x, y):",
-    "for i in range(10):\n    print(i)",
-    "# a comment about dataclasses",
-    "return self._data[key]",
-    "if __name__ == '__main__':",
-    "with open(path) as f:\n",
-    "x = [i * i for i in range(100)]",
-    "raise ValueError('bad value')",
-    "def __repr__(self):\n        return",
-    "try:\n    import json\nexcept ImportError:",
-    "lambda a, b: a + b",
-    "async def fetch(session, url):",
-    "while True:\n    line = input()",
-    "from collections import OrderedDict",
-    "self.assertEqual(result, expected)",
-    "@property\ndef name(self):",
-    "yield from iterable",
-    "d = {'a': 1, 'b': 2}",
-]

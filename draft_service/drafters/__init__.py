@@ -17,8 +17,8 @@ from common.kv_layout import CacheConfig, check_cache_dtype
 from draft_service.drafters.base import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     KINDS,
-    DraftSequence,
     Drafter,
+    DraftSequence,
     IncompatibleTargetError,
     TargetInfo,
     Update,

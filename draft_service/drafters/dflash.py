@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from common.attention_metadata import AttentionMetadata
-from draft_service.dflash_model import DFlashDraftModel, TargetHeads
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from common.weights import load_config, resolve_model_path, safetensors_files
+from draft_service.dflash_model import DFlashDraftModel, TargetHeads
 from draft_service.drafters.base import (
     DraftSequence,
     PooledDrafter,

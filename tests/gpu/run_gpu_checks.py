@@ -322,7 +322,7 @@ def check_ipc(args: argparse.Namespace) -> dict:
 
     from common.kv_pool import PagePool
     from common.pool_transport import TransportError, export_pool, map_pool
-    from tests.test_pool_transport import _layout, two_process_ipc_check
+    from tests.ipc_check import ipc_layout, two_process_ipc_check
 
     device = require_cuda(args)
     report = two_process_ipc_check(device)
@@ -334,7 +334,7 @@ def check_ipc(args: argparse.Namespace) -> dict:
         and report["target_page_sum_after"] == report["page_values"],
         "drafter_exit_0": report["drafter_exit_code"] == 0,
     }
-    pool = PagePool.create(_layout(), device)
+    pool = PagePool.create(ipc_layout(), device)
     try:
         map_pool(pool.layout, export_pool(pool))
         checks["same_process_error"] = False
@@ -463,8 +463,8 @@ def make_demo_pair(workdir: Path) -> tuple[Path, Path]:
     """A tiny target (4 layers) and a DFlash drafter for it, head_dim 128, saved like the tests do."""
     from transformers import AutoTokenizer, Qwen3Config
 
-    from tests.test_dflash_parity import TARGET_LAYER_IDS, TARGET_LAYERS, K
-    from tests.tiny_models import make_qwen3
+    from tests.tiny_models import REFERENCE_DFLASH_K as K
+    from tests.tiny_models import TARGET_LAYER_IDS, TARGET_LAYERS, make_qwen3
 
     target = workdir / "demo-target"
     drafter = workdir / "demo-dflash"
@@ -675,11 +675,11 @@ def step_times(args: argparse.Namespace, budget: Budget, device, kernels=None) -
     stand-in for flashinfer)."""
     import torch
 
-    from draft_service.dflash_model import DFlashDraftModel, TargetHeads, build_target_layer_ids
     from common.flashinfer_backend import FlashInferAttentionBackend
     from common.kv_layout import StagingSpec, build_layout
     from common.kv_pool import PagePool
     from common.qwen3 import Qwen3ForCausalLM
+    from draft_service.dflash_model import DFlashDraftModel, TargetHeads, build_target_layer_ids
 
     k, ctx, batch, tau = args.num_speculative_tokens, args.context_len, args.batch, args.tau
     dtype = torch.bfloat16
