@@ -122,8 +122,8 @@ def wrong_way_arrows(graph: dict[str, set[str]]) -> list[str]:
             elif _within(source, ("splitspec",)) and not _within(target, ("splitspec",)):
                 problems.append(f"{source} -> {target}: the client package stands on the contract alone")
             elif target.split(".")[-1].startswith("test_"):
-                problems.append(f"{source} -> {target}: imports a test module "
-                                "(helpers belong in tests/procs.py, tests/tiny_models.py or another helper module)")
+                helpers = "tests/procs.py, tests/tiny_models.py or another helper module"
+                problems.append(f"{source} -> {target}: imports a test module (move the helper to {helpers})")
     return problems
 
 
@@ -143,7 +143,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
         "common/__init__.py": "",
         "common/a.py": "from common import b\n",
         "common/b.py": "def f():\n    from common.a import x\n",  # a lazy import still closes the circle
-        "common/c.py": "if TYPE_CHECKING:\n    from target_service.engine import E\n",  # type-only, still counts
+        "common/c.py": "if TYPE_CHECKING:\n    from target_service.engine import E\n",  # type-only: counts
         "target_service/__init__.py": "",
         "target_service/engine.py": "from draft_service import host\nfrom . import helper\n",
         "target_service/helper.py": "",
