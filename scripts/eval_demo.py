@@ -3,7 +3,7 @@
     python scripts/eval_demo.py                  # demo/ (scripts/train_demo.py writes it)
     python scripts/eval_demo.py --models DIR --max-tokens 64 --prompts-per-module 2
 
-- **Perplexity** of the target on the held-out modules (`train_demo.HELD_OUT`, never
+- **Perplexity** of the target on the held-out modules (`demo_training.HELD_OUT`, never
   trained on), with transformers, over non-overlapping windows of the model's context.
 - **Mean acceptance length** per drafter at K (default 8), measured through the real
   stack: `splitspec up`'s own code path starts the target and the drafter as two
@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-import train_demo  # noqa: E402  (the held-out list and the corpus rules)
+import demo_training  # noqa: E402  (the held-out list and the corpus rules)
 
 DRAFTERS = ("dflash", "draft_model", "ngram")
 
@@ -49,7 +49,7 @@ def perplexity(target_dir: Path, files: list[Path], threads: int) -> tuple[float
     window = model.config.max_position_embeddings
     total_nll, total_tokens = 0.0, 0
     for path in files:
-        ids = tokenizer(train_demo.read_text(path)).input_ids + [tokenizer.eos_token_id]
+        ids = tokenizer(demo_training.read_text(path)).input_ids + [tokenizer.eos_token_id]
         for start in range(0, len(ids) - 1, window):
             chunk = torch.tensor(ids[start:start + window + 1])[None]
             if chunk.shape[1] < 2:
@@ -65,7 +65,7 @@ def held_out_prompts(tokenizer, files: list[Path], per_module: int, prompt_token
     """`per_module` def lines spread over each file; the text before and through each."""
     prompts = []
     for path in files:
-        lines = train_demo.read_text(path).splitlines(keepends=True)
+        lines = demo_training.read_text(path).splitlines(keepends=True)
         defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ") and i >= 5]
         if not defs:
             continue
@@ -160,7 +160,7 @@ def table(rows: list[Row], k: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", type=Path, default=train_demo.DEFAULT_OUT)
+    parser.add_argument("--models", type=Path, default=demo_training.DEFAULT_OUT)
     parser.add_argument("--drafters", default=",".join(DRAFTERS) + ",none",
                         help="comma-separated kinds to measure (none: the target alone, for tokens/s)")
     parser.add_argument("--k", type=int, default=8, help="draft tokens per step")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    files = train_demo.held_out_files()
+    files = demo_training.held_out_files()
     ppl, n_tokens = perplexity(args.models / "target", files, args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
     prompts = held_out_prompts(tokenizer, files, args.prompts_per_module, args.prompt_tokens)

@@ -27,6 +27,7 @@ from splitspec.v1 import generation_pb2 as pb
 from tests.procs import REPO_ROOT, free_port, stream_tokens
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import demo_training  # noqa: E402
 import train_demo  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -62,8 +63,8 @@ def demo_dir(smoke_dir) -> Path:
 def held_out_snippets(tokenizer, count: int, max_tokens: int) -> list[str]:
     """The first `count` held-out modules' openings after the docstring, cut to max_tokens."""
     snippets = []
-    for path in train_demo.held_out_files()[:count]:
-        text = train_demo.read_text(path)
+    for path in demo_training.held_out_files()[:count]:
+        text = demo_training.read_text(path)
         start = text.find("\nimport ") + 1 or text.find("\ndef ") + 1
         ids = tokenizer(text[start:]).input_ids[:max_tokens]
         snippets.append(tokenizer.decode(ids))
@@ -73,16 +74,16 @@ def held_out_snippets(tokenizer, count: int, max_tokens: int) -> list[str]:
 def test_smoke_run_writes_every_part(smoke_dir):
     assert complete(smoke_dir)
     history = json.loads((smoke_dir / "training.json").read_text())
-    assert history["held_out"] == list(train_demo.HELD_OUT)
+    assert history["held_out"] == list(demo_training.HELD_OUT)
     assert set(history["stage_seconds"]) == {"tokenizer", "target", "continuations", "dflash", "draft_model"}
     assert not smoke_dir.with_name(smoke_dir.name + ".partial").exists()
 
 
 def test_held_out_modules_stay_out_of_training():
-    train, held = train_demo.corpus_files()
-    assert {p.stem for p in held} == set(train_demo.HELD_OUT)  # all of them exist in this interpreter
-    root = train_demo.stdlib_dir()
-    assert not [p for p in train if p.parent == root and p.stem in train_demo.HELD_OUT]
+    train, held = demo_training.corpus_files()
+    assert {p.stem for p in held} == set(demo_training.HELD_OUT)  # all of them exist in this interpreter
+    root = demo_training.stdlib_dir()
+    assert not [p for p in train if p.parent == root and p.stem in demo_training.HELD_OUT]
 
 
 def test_weights_fit_the_budget(demo_dir):
