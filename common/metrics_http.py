@@ -10,6 +10,12 @@ from prometheus_client import CollectorRegistry, start_http_server
 log = logging.getLogger(__name__)
 
 
+def check_metrics_port(port: int) -> None:
+    """0 turns the endpoint off."""
+    if not 0 <= port < 65536:
+        raise ValueError(f"metrics port must be in [0, 65535], got {port}")
+
+
 def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> Callable[[], None]:
     """Serve `registry` on http://host:port/metrics in a daemon thread; returns the stopper."""
     server, thread = start_http_server(port, addr=host, registry=registry)

@@ -25,7 +25,7 @@ from common.grpc_server import (
     server_options,
 )
 from common.kv_layout import LayoutNotResolvedError, LayoutResolutionError
-from common.metrics_http import metrics_host, start_metrics_server
+from common.metrics_http import check_metrics_port, metrics_host, start_metrics_server
 from common.pool_transport import TransportError
 from common.threads import apply_threads, drafter_threads
 from draft_service import convert
@@ -116,8 +116,7 @@ class DraftServeConfig:
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        check_metrics_port(self.metrics_port)
         if not self.token:
             raise ValueError("the internal token is required (KV pages hold users' prompts)")
         check_listen_config(self.port, self.max_message_bytes, self.shutdown_grace_s)

@@ -27,7 +27,7 @@ from common.grpc_server import (
     server_options,
 )
 from common.kv_layout import LayoutNotResolvedError
-from common.metrics_http import metrics_host, start_metrics_server
+from common.metrics_http import check_metrics_port, metrics_host, start_metrics_server
 from splitspec.contract import REQUEST_ID_METADATA
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
@@ -156,8 +156,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_listen_config(self.port, self.max_message_bytes, self.shutdown_grace_s)
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        check_metrics_port(self.metrics_port)
 
     @property
     def address(self) -> str:
