@@ -1,4 +1,4 @@
-"""Exceptions → gRPC status codes, in one place for both services (DESIGN.md §6).
+"""Exceptions → gRPC status codes, in one place for both services (docs/design.md#error-model).
 
 Each service gives an `ErrorMapper` its own table of (exception type, status code); a
 handler's exception found in the table aborts the call with that code and the

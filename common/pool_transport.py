@@ -157,7 +157,7 @@ class PoolExports:
 
     A pool that the target replaces (a re-plan for another drafter) may still be mapped
     by the drafter until the drafter attaches to the new one: its Attach drops every old
-    mapping first (DESIGN.md §3). Until then the old pool stays referenced here, so its
+    mapping first (docs/design.md#the-handshake). Until then the old pool stays referenced here, so its
     memory is never handed to another tensor under the drafter's feet (on CUDA the caching
     allocator would reuse the block at once).
 

@@ -1,7 +1,7 @@
 """The drafter's handshake state machine, on plain values (convert.py turns protos into these).
 
 Negotiate (the target's facts) → Attach (layout, pool, canary) → Propose / Release
-(docs/design.md, "The handshake"). Every call — handshakes, forwards — runs on the event
+(docs/design.md#the-handshake). Every call — handshakes, forwards — runs on the event
 loop's thread, one at a time in arrival order, so the host needs no locks; only model
 loading (before the drafter is handed to the host) and the final close run elsewhere.
 """

@@ -2,7 +2,7 @@
 
 `SharedPool` owns the pool. The pool's layout is the one record of what was agreed: the
 page order and dtype, every layer region, the staging rows, the target id and the epoch
-(the handshake generation). A handshake (docs/design.md, "The handshake"):
+(the handshake generation). A handshake (docs/design.md#the-handshake):
 
   Negotiate   send the target's facts, get the drafter's (its layers, the target layers
               whose hidden states it reads, its orders and K);

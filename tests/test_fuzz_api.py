@@ -3,7 +3,7 @@
 Every field is drawn, valid or not: each `input` variant (and none), request ids (empty,
 non-ASCII, too long), float32 temperatures and top_p (NaN, infinities, denormals),
 int32 limits, huge and empty strings, out-of-vocabulary token ids, chat messages. An
-oracle written from the API contract (generation.proto, DESIGN.md §6) decides what the
+oracle written from the API contract (generation.proto, docs/design.md#error-model) decides what the
 server must answer: INVALID_ARGUMENT whose details start with the field's name, or a
 stream that ends in one Complete. Requests stay tiny (at most 4 new tokens) so 2,000 of
 them run in about two minutes; SPLITSPEC_FUZZ_EXAMPLES asks for more (or fewer).
