@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from common.drafter_facts import DrafterFacts
 from common.kv_layout import ORDERS, KVLayout, LayerSpec, StagingSpec
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import kv_layout_pb2 as kv_pb
@@ -60,6 +61,31 @@ def drafter_kind_to_proto(kind: str) -> int:
 
 def drafter_kind_from_proto(value: int, default: str | None = None) -> str:
     return _enum_name(dpb.DrafterKind, "DRAFTER_KIND_", value, lower=True, default=default)
+
+
+# ---------------------------------------------------------------- the drafter's facts (both directions)
+
+
+def drafter_facts_to_proto(facts: DrafterFacts) -> dpb.NegotiateResponse:
+    return dpb.NegotiateResponse(
+        kind=drafter_kind_to_proto(facts.kind),
+        layers=[layer_spec_to_proto(spec) for spec in facts.layers],
+        target_layer_ids=list(facts.target_layer_ids),
+        supported_orders=[order_to_proto(o) for o in facts.supported_orders],
+        num_speculative_tokens=facts.num_speculative_tokens,
+        model_id=facts.model_id,
+    )
+
+
+def drafter_facts_from_proto(msg: dpb.NegotiateResponse) -> DrafterFacts:
+    return DrafterFacts(
+        kind=drafter_kind_from_proto(msg.kind, default="unknown"),
+        layers=tuple(layer_spec_from_proto(spec) for spec in msg.layers),
+        target_layer_ids=tuple(msg.target_layer_ids),
+        supported_orders=orders_from_proto(msg.supported_orders),
+        num_speculative_tokens=msg.num_speculative_tokens,
+        model_id=msg.model_id,
+    )
 
 
 # ---------------------------------------------------------------- the layout (both directions)

@@ -4,13 +4,12 @@ the field."""
 
 from __future__ import annotations
 
+from common.drafter_facts import DrafterFacts
 from common.layout_proto import (
-    drafter_kind_to_proto,
+    drafter_facts_to_proto,
     kv_dtype_from_proto,
     kv_layout_from_proto,
-    layer_spec_to_proto,
     order_from_proto,
-    order_to_proto,
     orders_from_proto,
 )
 from common.pool_transport import Canary
@@ -20,7 +19,6 @@ from draft_service.host import (
     AttachReply,
     InvalidArgumentError,
     NegotiateArgs,
-    NegotiateReply,
     ProposeArgs,
     ReleaseArgs,
 )
@@ -84,15 +82,8 @@ def release_args(request: dpb.ReleaseRequest) -> ReleaseArgs:
 # ---------------------------------------------------------------- values → replies
 
 
-def negotiate_response(reply: NegotiateReply) -> dpb.NegotiateResponse:
-    return dpb.NegotiateResponse(
-        kind=drafter_kind_to_proto(reply.kind),
-        layers=[layer_spec_to_proto(spec) for spec in reply.layers],
-        target_layer_ids=list(reply.target_layer_ids),
-        supported_orders=[order_to_proto(o) for o in reply.supported_orders],
-        num_speculative_tokens=reply.num_speculative_tokens,
-        model_id=reply.model_id,
-    )
+def negotiate_response(facts: DrafterFacts) -> dpb.NegotiateResponse:
+    return drafter_facts_to_proto(facts)
 
 
 def attach_response(reply: AttachReply) -> dpb.AttachResponse:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.drafter_facts import DrafterFacts
 from common.kv_layout import KVLayout, LayerSpec, LayoutNotResolvedError, canonical_kv_dtype, resolve_order
 from common.pool_transport import Canary, map_pool, read_canary, sync_for_handoff
 from draft_service.drafters import Drafter, TargetInfo, Update
@@ -53,16 +54,6 @@ class NegotiateArgs:
     requested_order: str  # "auto" unless the operator asked for one
     target_orders: tuple[str, ...]
     target_preferred: str  # "" when unspecified
-
-
-@dataclass(frozen=True)
-class NegotiateReply:
-    kind: str
-    layers: tuple[LayerSpec, ...]
-    target_layer_ids: tuple[int, ...]
-    supported_orders: tuple[str, ...]
-    num_speculative_tokens: int
-    model_id: str
 
 
 @dataclass(frozen=True)
@@ -129,7 +120,7 @@ class DrafterHost:
 
     # -- Negotiate -------------------------------------------------------------------------
 
-    def negotiate(self, args: NegotiateArgs) -> NegotiateReply:
+    def negotiate(self, args: NegotiateArgs) -> DrafterFacts:
         drafter = self.require()
         if not args.target_id:
             raise InvalidArgumentError("target_id", "is required")
@@ -146,10 +137,10 @@ class DrafterHost:
             self.metrics.set_state("negotiated")
         log.info("negotiated with target %s (%s): %s, K=%d", args.target_id, args.target.architecture or "?",
                  drafter.kind, drafter.num_speculative_tokens)
-        return NegotiateReply(kind=drafter.kind, layers=tuple(drafter.layer_specs()),
-                              target_layer_ids=tuple(drafter.target_layer_ids()),
-                              supported_orders=tuple(drafter.supported_orders()),
-                              num_speculative_tokens=drafter.num_speculative_tokens, model_id=drafter.model_id)
+        return DrafterFacts(kind=drafter.kind, layers=tuple(drafter.layer_specs()),
+                            target_layer_ids=tuple(drafter.target_layer_ids()),
+                            supported_orders=tuple(drafter.supported_orders()),
+                            num_speculative_tokens=drafter.num_speculative_tokens, model_id=drafter.model_id)
 
     @staticmethod
     def _check_cache_wishes(drafter: Drafter, target: TargetInfo) -> None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.auth import auth_metadata
-from common.kv_layout import LayerSpec
-from common.layout_proto import drafter_kind_from_proto, layer_spec_from_proto, orders_from_proto
+from common.drafter_facts import DrafterFacts
+from common.layout_proto import drafter_facts_from_proto
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 
@@ -53,16 +53,6 @@ class DrafterLinkConfig:
             raise ValueError("drafter timeouts must be positive")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
-
-
-@dataclass(frozen=True)
-class DrafterFacts:
-    kind: str
-    layers: tuple[LayerSpec, ...]
-    target_layer_ids: tuple[int, ...]
-    supported_orders: tuple[str, ...]
-    num_speculative_tokens: int
-    model_id: str
 
 
 @dataclass
@@ -130,14 +120,7 @@ class DrafterLink:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise DrafterRejected(exc.details()) from exc
             raise
-        return DrafterFacts(
-            kind=drafter_kind_from_proto(reply.kind, default="unknown"),
-            layers=tuple(layer_spec_from_proto(spec) for spec in reply.layers),
-            target_layer_ids=tuple(reply.target_layer_ids),
-            supported_orders=orders_from_proto(reply.supported_orders),
-            num_speculative_tokens=reply.num_speculative_tokens,
-            model_id=reply.model_id,
-        )
+        return drafter_facts_from_proto(reply)
 
     def attach(self, request: dpb.AttachRequest) -> None:
         self._stub.Attach(request, timeout=self.handshake_timeout_s, metadata=self.metadata)

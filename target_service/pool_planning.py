@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention_backends import select_backend
+from common.drafter_facts import DrafterFacts
 from common.kv_layout import (
     KV_DTYPES,
     CacheConfig,
@@ -24,7 +25,6 @@ from common.kv_layout import (
     resolve_order,
 )
 from target_service.config import EngineConfig
-from target_service.drafter_link import DrafterFacts
 
 
 def available_memory(device: torch.device) -> int:

@@ -1,0 +1,18 @@
+"""What a drafter tells the target in Negotiate, as a value both sides use: the drafter's
+host answers with it, the target's link reads it (common/layout_proto.py converts it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.kv_layout import LayerSpec
+
+
+@dataclass(frozen=True)
+class DrafterFacts:
+    kind: str  # dflash | draft_model | ngram ("unknown" when the drafter did not say)
+    layers: tuple[LayerSpec, ...]  # the drafter's layers the pool must hold (offsets unset)
+    target_layer_ids: tuple[int, ...]  # target layers whose hidden states it reads from the staging rows
+    supported_orders: tuple[str, ...]
+    num_speculative_tokens: int  # the drafter's K
+    model_id: str
