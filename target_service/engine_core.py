@@ -239,7 +239,7 @@ class EngineCore:
     def _use_pool(self) -> None:
         """Page ids and runner views for the (idle) engine's new pool."""
         self.page_manager = PageManager(self.layout.num_pages, self.layout.page_size)
-        self.scheduler.page_manager = self.page_manager
+        self.scheduler.use_page_manager(self.page_manager)
         self.runner.install_pool(self.shared.pool)
 
     # --- life ----------------------------------------------------------------------------

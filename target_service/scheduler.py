@@ -67,6 +67,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def use_page_manager(self, page_manager: PageManager) -> None:
+        """The pool was replaced (only while idle): page ids come from `page_manager` now."""
+        if self.has_work:
+            raise RuntimeError("the page manager can only change while no sequence waits or runs")
+        self.page_manager = page_manager
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
