@@ -36,9 +36,11 @@ from target_service.server import ERRORS, SERVICE_NAME, EngineSlot
 from tests.procs import REPO_ROOT, Service, client_cmd, pool_files, private_shm_dir
 from tests.tiny_models import PROMPTS, make_qwen3
 
-NUM_PAGES = 512
+# A full-length stream must outlast every timeout below (the 4 s drain grace included):
+# 4096 tokens took 3.7 s on an idle 2-core machine, so 16384; the pool holds two of them.
+MODEL_LEN = 16384
 PAGE_SIZE = 16
-MODEL_LEN = 4096  # long enough that a full-length stream outlasts every timeout below
+NUM_PAGES = 2 * MODEL_LEN // PAGE_SIZE
 DEFAULT_MAX_TOKENS = 24
 DRAINED = re.compile(r"drained in ([\d.]+) s")
 SERVING = health_pb2.HealthCheckResponse.SERVING
