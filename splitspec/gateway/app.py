@@ -234,7 +234,7 @@ def respond_stream(gen: Generation, events: AsyncIterator[str]) -> EventSourceRe
 async def stream_events(gen: Generation, chunk, final, include_usage: bool) -> AsyncIterator[str]:
     """SSE data: one event per chunk of text, the finish, the usage if asked, then [DONE].
     Closing this generator early (the client went away) cancels the call."""
-    complete = None
+    complete, failed = None, False
     try:
         async for response in gen.call:
             if response.HasField("chunk"):
@@ -249,12 +249,14 @@ async def stream_events(gen: Generation, chunk, final, include_usage: bool) -> A
             yield event
         yield "[DONE]"
     except grpc.aio.AioRpcError as exc:
+        failed = True
         gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
         yield _error_event(from_rpc_error(exc))
     except OpenAIError as exc:
+        failed = True
         yield _error_event(exc)
     finally:
-        if complete is None and not gen.call.done():
+        if complete is None and not failed:  # closed or cancelled early: the client went away
             gen.gateway.metrics.disconnects.labels(gen.endpoint).inc()
         gen.done(complete)
 

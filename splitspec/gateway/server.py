@@ -8,6 +8,7 @@ it on the target.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 
 import uvicorn
@@ -31,6 +32,10 @@ def display_address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _drained(signum, frame) -> None:
+    log.info("stopped on %s", signal.Signals(signum).name)
+
+
 async def serve(config: GatewayConfig) -> int:
     sock = bind(config.host, config.port)
     uv_config = uvicorn.Config(create_app(config), log_config=None, log_level=config.log_level, access_log=False,
@@ -38,9 +43,13 @@ async def serve(config: GatewayConfig) -> int:
                                server_header=False)
     server = uvicorn.Server(uv_config)
     log.info("OpenAI API for %s listening on %s", config.target, display_address(sock))
+    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it
+    # found: make that one a no-op, so a drained stop exits 0 (as the target and drafter do).
+    previous = {sig: signal.signal(sig, _drained) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         await server.serve(sockets=[sock])
     finally:
         sock.close()
-    log.info("stopped")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
