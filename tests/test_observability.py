@@ -91,6 +91,17 @@ def _query(base: str, promql: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+def _gateway_completion(port: int, prompt: str) -> dict:
+    """One OpenAI completion through the gateway; its usage."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 20, "ignore_eos": True, "temperature": 0})
+    models = json.loads(_http_get(f"http://127.0.0.1:{port}/v1/models"))
+    body = body.replace('"m"', json.dumps(models["data"][0]["id"]))
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())["usage"]
+
+
 @pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is installed by .ci/run")
 def test_prometheus_reads_what_the_responses_report(stack):
     tmp = stack["tmp"]
@@ -105,20 +116,23 @@ def test_prometheus_reads_what_the_responses_report(stack):
                     for p in PROMPTS[:12]]
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda r: stream_tokens(stack["target"], r), requests))
-        drafted = sum(c.usage.draft_tokens for _, c in results)
-        accepted = sum(c.usage.accepted_tokens for _, c in results)
+        usage = _gateway_completion(stack["gateway"], PROMPTS[0])  # one more, through the gateway
+        drafted = sum(c.usage.draft_tokens for _, c in results) + usage["speculation"]["draft_tokens"]
+        accepted = sum(c.usage.accepted_tokens for _, c in results) + usage["speculation"]["accepted_tokens"]
         assert drafted > 0
         want = {
             "sum(splitspec_spec_decode_num_accepted_tokens_total) / sum(splitspec_spec_decode_num_draft_tokens_total)":
                 accepted / drafted,
-            "sum(splitspec_time_to_first_token_seconds_count)": len(requests),
-            "sum(splitspec_requests_finished_total)": len(requests),
-            "sum(splitspec_generation_tokens_total)": sum(len(t) for t, _ in results),
-            "sum(splitspec_spec_decode_num_drafts_total)": sum(c.usage.num_drafts for _, c in results),
+            "sum(splitspec_time_to_first_token_seconds_count)": len(requests) + 1,
+            "sum(splitspec_requests_finished_total)": len(requests) + 1,
+            "sum(splitspec_generation_tokens_total)": sum(len(t) for t, _ in results) + usage["completion_tokens"],
+            "sum(splitspec_spec_decode_num_drafts_total)":
+                sum(c.usage.num_drafts for _, c in results) + usage["speculation"]["num_drafts"],
             "splitspec_drafter_up": 1,
             'up{job="splitspec-draft"}': 1,
             'up{job="splitspec-gateway"}': 1,
-            "sum(splitspec_gateway_requests_total)": 0,  # every request above went straight to the target
+            "sum(splitspec_gateway_generation_tokens_total)": usage["completion_tokens"],
+            'sum(splitspec_gateway_requests_total{endpoint="/v1/completions",status="200"})': 1,
         }
         deadline = time.monotonic() + 60
         got = {}
