@@ -137,6 +137,8 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=64, help="requests per round")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="rounds of each kind (alternating)")
+    p.add_argument("--target-threads", type=int, default=None,
+                   help="the target's torch CPU threads (default: torch's, one per core)")
     p.add_argument("--profile", type=Path, default=None, help="folder for a py-spy profile of the gateway")
     args = p.parse_args()
 
@@ -148,7 +150,8 @@ def main() -> int:
     address, base = f"127.0.0.1:{port}", f"http://127.0.0.1:{gateway_port}"
     target = stack.start("target", "target_service.cli",
                          ["--model", str(args.model), "--port", str(port), "--max-num-seqs", str(args.concurrency),
-                          "--metrics-port", "0", "--log-level", "warning"], env)
+                          "--metrics-port", "0", "--log-level", "warning",
+                          *(["--threads", str(args.target_threads)] if args.target_threads else [])], env)
     try:
         wait_serving(target, address, deadline)
         gateway = stack.start("gateway", "splitspec.gateway.cli",
