@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -20,6 +21,6 @@ def test_info_shows_the_kv_layout_as_a_table(tmp_path):
     for section in ("model", "server", "drafter", "kv layout"):
         assert f"\n{section}\n" in f"\n{out}"
     assert "Qwen3ForCausalLM" in out and "pages free  64 / 64" in out and "status  none" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("  target ")]
+    rows = [line.split() for line in out.splitlines() if re.match(r"  target +\d", line)]
     assert [row[1] for row in rows] == ["0", "1"]  # one row per layer of the 2-layer model
     assert all(row[2:4] == ["2", "16"] for row in rows)  # kv heads, head dim
