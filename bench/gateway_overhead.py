@@ -103,7 +103,7 @@ def profile_gateway(pid: int, seconds: float, out: Path) -> list[tuple[str, int]
     """py-spy samples of the gateway for `seconds` (run while it is loaded); the top frames."""
     py_spy = Path(sys.executable).parent / "py-spy"
     subprocess.run([str(py_spy), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--format", "raw",
-                    "--output", str(out), "--nonblocking"], check=True, capture_output=True)
+                    "--rate", "250", "--output", str(out)], check=True, capture_output=True)
     own = Counter()
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")

@@ -433,3 +433,28 @@ def test_target_unavailable_is_503(tmp_path):
         assert "unavailable" in error["message"]
     finally:
         assert gateway.stop() == 0, gateway.log()
+
+
+def test_sigterm_lets_a_running_stream_finish(stack, tmp_path):
+    """SIGTERM mid-stream: the gateway stops accepting, the stream still ends with [DONE]
+    within --shutdown-grace-s, nothing is aborted on the target, and the gateway exits 0."""
+    import signal
+
+    gateway = start_gateway(stack["target"], tmp_path / "gateway.log", "--shutdown-grace-s", "60")
+    aborts = _abort_count(stack)
+    body = {"model": stack["model"], "prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    try:
+        with httpx2.stream("POST", f"http://{gateway.address}/v1/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            gateway.signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == LONG
+        assert gateway.proc.wait(60) == 0, gateway.log()
+        with pytest.raises(httpx2.ConnectError):
+            httpx2.get(f"http://{gateway.address}/health", timeout=5)
+        assert _abort_count(stack) == aborts
+    finally:
+        gateway.kill()
