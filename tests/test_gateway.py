@@ -368,6 +368,9 @@ def test_unknown_model_is_404(stack, client):
     ({"prompt": {"a": 1}}, "prompt"),
     ({"max_tokens": 2}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stop": ["a"] * 5000}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [1] * 5000}, "stop_token_ids"),
+    ({"prompt": "x", "speculation": {"num_speculative_tokens": 2**31}}, "speculation.num_speculative_tokens"),
 ])
 def test_malformed_fields_are_400_naming_them(stack, body, param):
     reply = httpx2.post(f"http://{stack['gateway']}/v1/completions", json={"model": stack["model"], **body},
@@ -388,8 +391,10 @@ def test_bodies_are_bounded_and_must_be_json(stack):
 
     reply = httpx2.post(url, content=chunked(), headers={"content-type": "application/json"}, timeout=30)
     assert reply.status_code == 413, reply.text
-    reply = httpx2.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
-    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    for junk in (b"{not json", b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                 b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"):
+        reply = httpx2.post(url, content=junk, headers={"content-type": "application/json"}, timeout=30)
+        assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"], reply.text
     reply = httpx2.get(f"http://{stack['gateway']}/v1/nothing", timeout=30)
     assert reply.status_code == 404 and reply.json()["error"]["type"] == "not_found_error"
     # still serving

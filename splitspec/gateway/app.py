@@ -97,7 +97,10 @@ def _param(loc: tuple) -> str | None:
 
 
 def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
-    first = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # a union reports every member: prefer a member's real complaint (too long, out of
+    # range) over "should be a valid <other type>"
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     param = _param(first["loc"])
     if first["type"] == "extra_forbidden":
         return unsupported(param or "body", f"{param}: unknown parameter (splitspec does not support it)")

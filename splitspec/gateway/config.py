@@ -14,7 +14,7 @@ class GatewayConfig:
     port: int = 8000  # 0: any free port (logged)
     tls_ca: str | None = None  # reach the target over TLS, trusting this CA bundle
     served_model_name: str | None = None  # the `model` clients name (default: the target's model id)
-    max_body_bytes: int = 4 * MiB  # larger request bodies are refused (413) before they are parsed
+    max_body_bytes: int = 2 * MiB  # larger request bodies are refused (413) before they are parsed
     max_message_bytes: int = 64 * MiB  # gRPC receive limit towards the target
     health_timeout_s: float = 2.0  # deadline of the target health check behind GET /health
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
