@@ -40,6 +40,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_ids(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+
 def client_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -107,8 +111,9 @@ def profile_gateway(pid: int, seconds: float, out: Path) -> list[tuple[str, int]
     own = Counter()
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        own[frames[-1]] += int(count)  # self time of the innermost frame
+        leaf = stack.split(";")[-1]
+        if "select (selectors.py" not in leaf:  # the event loop waiting: idle
+            own[leaf] += int(count)  # self time of the innermost frame
     return own.most_common(15)
 
 
@@ -139,6 +144,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each kind (alternating)")
     p.add_argument("--target-threads", type=int, default=None,
                    help="the target's torch CPU threads (default: torch's, one per core)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin the target to CPU 0 and the gateway and this client to CPU 1 (the gateway on CPUs of its own, "
+                        "as in a deployment; use with --target-threads 1)")
     p.add_argument("--profile", type=Path, default=None, help="folder for a py-spy profile of the gateway")
     args = p.parse_args()
 
@@ -158,6 +166,11 @@ def main() -> int:
                               ["--target", address, "--port", str(gateway_port), "--served-model-name", "m",
                                "--log-level", "warning"], env)
         wait_http_ok(gateway, f"{base}/health", deadline)
+        if args.pin:
+            for pid in [target.proc.pid, *thread_ids(target.proc.pid)]:
+                os.sched_setaffinity(pid, {0})
+            for pid in [gateway.proc.pid, *thread_ids(gateway.proc.pid), 0, *thread_ids(os.getpid())]:
+                os.sched_setaffinity(pid, {1})
         grpc_round(address, prompts[:args.concurrency], argparse.Namespace(**{**vars(args), "num_requests":
                                                                              args.concurrency}))  # warm-up
         gateway_round(base, "m", prompts[:args.concurrency], argparse.Namespace(**{**vars(args), "num_requests":
@@ -196,8 +209,8 @@ def main() -> int:
             while thread.is_alive():
                 gateway_round(base, "m", prompts, args)
             thread.join()
-            total = sum(count for _, count in result["top"]) or 1
-            print(f"\npy-spy, the gateway's hottest frames (self samples; raw profile in {out}):")
+            print(f"\npy-spy, the gateway's hottest frames (self samples, the event loop's idle wait left out; "
+                  f"raw profile in {out}):")
             for frame, count in result["top"]:
                 print(f"  {count:6d}  {frame}")
         return 0

@@ -8,6 +8,7 @@ away cancels the call, which aborts the request on the target and frees its page
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -140,7 +141,10 @@ class Generation:
             self.gateway.metrics.ttft.labels(self.endpoint).observe(self.first_text_at - self.arrival)
 
     def done(self, complete: pb.Complete | None) -> None:
-        """Record the end (complete is None: the client went away or the call failed)."""
+        """Record the end, once (complete is None: the client went away or the call failed)."""
+        if self.finished:
+            return
+        self.finished = True
         m = self.gateway.metrics
         self.call.cancel()  # a no-op when the call has ended; else the target aborts the request
         m.in_flight.labels(self.endpoint).dec()
@@ -228,10 +232,26 @@ async def respond_whole(request: Request, gen: Generation, build) -> Response:
         gen.done(complete)
 
 
+class GenerationStream(EventSourceResponse):
+    """An SSE response that ends its Generation however the response ends, even when the
+    client left before the first event (the events generator then never ran)."""
+
+    def __init__(self, gen: Generation, events: AsyncIterator[str]) -> None:
+        super().__init__(events, ping=SSE_PING_S, sep="\n", headers={"x-request-id": gen.request_id},
+                         shutdown_grace_period=gen.gateway.config.shutdown_grace_s)
+        self.generation = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.generation.finished:
+                self.generation.gateway.metrics.disconnects.labels(self.generation.endpoint).inc()
+                self.generation.done(None)
+
+
 def respond_stream(gen: Generation, events: AsyncIterator[str]) -> EventSourceResponse:
-    config = gen.gateway.config
-    return EventSourceResponse(events, ping=SSE_PING_S, sep="\n", headers={"x-request-id": gen.request_id},
-                               shutdown_grace_period=config.shutdown_grace_s)
+    return GenerationStream(gen, events)
 
 
 async def stream_events(gen: Generation, chunk, final, include_usage: bool) -> AsyncIterator[str]:
@@ -333,10 +353,11 @@ def chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
 
     async def with_role() -> AsyncIterator[str]:
         yield event({"role": "assistant", "content": ""})
-        async for data in stream_events(gen, TextChunks(ChatCompletionChunk(
-                id=gen.request_id, created=gen.created, model=gen.model,
-                choices=[ChatChunkChoice(delta={"content": _SENTINEL})])), final, include_usage):
-            yield data
+        text = TextChunks(ChatCompletionChunk(id=gen.request_id, created=gen.created, model=gen.model,
+                                              choices=[ChatChunkChoice(delta={"content": _SENTINEL})]))
+        async with contextlib.aclosing(stream_events(gen, text, final, include_usage)) as events:
+            async for data in events:
+                yield data
 
     return with_role()
 
