@@ -187,7 +187,7 @@ def model_dirs(models: Path, drafter: str) -> tuple[Path, Path | None]:
     for folder in (target, draft):
         if folder is not None and not (folder / "config.json").is_file():
             raise UpError(f"no checkpoint in {folder}: train the demo pair with "
-                          f"`python scripts/train_demo.py` or pass --models DIR")
+                          f"`{command_path('python')} scripts/train_demo.py` or pass --models DIR")
     return target, draft
 
 

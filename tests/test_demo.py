@@ -7,7 +7,7 @@ bundled `demo/` when it is complete, else the smoke outputs: never a silent skip
   greedy output on held-out snippets;
 - end to end through `splitspec up`'s own code path (two processes, handshake, shared
   pages): greedy tokens with speculation equal those without, Usage shows drafts, and
-  Ctrl-C stops both services cleanly.
+  the gateway answers the curl command it prints, and Ctrl-C stops all three cleanly.
 """
 
 from __future__ import annotations
