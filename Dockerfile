@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# One image, two commands (splitspec-target, splitspec-draft). Two targets:
+# One image, three commands (splitspec-target, splitspec-draft, splitspec-gateway). Two targets:
 #   cuda (default): torch + flashinfer on CUDA 12, for GPU nodes
 #   cpu:            the CPU build of torch, for the demo pair (docker-compose.cpu.yml)
 
@@ -17,7 +17,7 @@ FROM base AS cpu
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
  && pip install .
 COPY demo demo
-EXPOSE 50051 9400 9401
+EXPOSE 50051 9400 9401 8000
 
 FROM base AS cuda
 # the PyPI wheel of torch is the CUDA build; FlashInfer JIT-compiles its kernels on first use
@@ -25,4 +25,4 @@ RUN pip install torch==2.13.0 \
  && pip install '.[cuda]'
 # CUDA IPC cannot export expandable segments: the pool must be plain cudaMalloc memory
 ENV PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
-EXPOSE 50051 9400 9401
+EXPOSE 50051 9400 9401 8000

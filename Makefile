@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml
 up: setup
 	$(BIN)/splitspec up --drafter $(DRAFTER)
 
+# -v names each test as it starts (the slow ones are marked `slow`); --durations lists the slowest at the end
 test: setup
-	$(BIN)/python -m pytest -q -ra
+	@scripts/test_prereqs.sh
+	@echo "make test: the whole suite takes about 15 minutes on 2 CPU cores (tests/test_soak.py alone: 1-5 min)"
+	$(BIN)/python -m pytest -v -ra --durations=20
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

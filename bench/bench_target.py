@@ -5,7 +5,7 @@ Builds one random Qwen3 checkpoint, then measures on the same prompts:
   2. our engine at batch 1
   3. our engine's aggregate output tokens/s at concurrency 1, 4 and 16
 and prints a markdown table with ratios. Usage:
-  python bench/bench_target.py [--hidden-size 256] [--layers 4] [--new-tokens 64]
+  .venv/bin/python bench/bench_target.py [--hidden-size 256] [--layers 4] [--new-tokens 64]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 
 Rows 4-8 drive the engine in this process (no client RPC), so every row measures
 decoding, not the client. Usage:
-  python bench/compare.py [--models demo] [--prompts 8] [--new-tokens 64] [--write-readme]
+  .venv/bin/python bench/compare.py [--models demo] [--prompts 8] [--new-tokens 64] [--write-readme]
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results, args)
     print(text)
     if args.write_readme:
-        command = "python bench/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = ".venv/bin/python bench/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
         write_readme(text, command.replace(" --write-readme", "").strip())
     return 0
 

@@ -1,7 +1,7 @@
 """Measure the demo pair on the held-out standard-library modules; print a markdown table.
 
-    python scripts/eval_demo.py                  # demo/ (scripts/train_demo.py writes it)
-    python scripts/eval_demo.py --models DIR --max-tokens 64 --prompts-per-module 2
+    .venv/bin/python scripts/eval_demo.py                  # demo/ (scripts/train_demo.py writes it)
+    .venv/bin/python scripts/eval_demo.py --models DIR --max-tokens 64 --prompts-per-module 2
 
 - **Perplexity** of the target on the held-out modules (`demo_training.HELD_OUT`, never
   trained on), with transformers, over non-overlapping windows of the model's context.

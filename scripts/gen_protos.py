@@ -3,7 +3,7 @@
 
 The stubs are committed: run this after editing a .proto
 
-    python scripts/gen_protos.py
+    .venv/bin/python scripts/gen_protos.py
 
 `protos/splitspec/v1/x.proto` becomes `<out>/splitspec/v1/x_pb2.py`, `x_pb2.pyi` and
 `x_pb2_grpc.py`, importable as `from splitspec.v1 import x_pb2`. tests/test_protos_fresh.py

@@ -1,7 +1,7 @@
 """Train the bundled demo models: a tokenizer, a Qwen3 target and two drafters for it.
 
-    python scripts/train_demo.py              # full run → demo/ (~40 min on 2 CPU cores)
-    python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, < 1 min (CI)
+    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~40 min on 2 CPU cores)
+    .venv/bin/python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, < 1 min (CI)
 
 Everything is trained from the Python standard library source of the running
 interpreter (test packages, codec tables and data blobs left out), with a FIXED list of

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from splitspec.channel import open_aio_channel
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -142,7 +143,7 @@ async def run_level(address: str, prompts: list[str], args: argparse.Namespace, 
                     rate: float | None, progress) -> tuple[list[RequestResult], float]:
     requests = [build_request(prompts[i % len(prompts)], args, i) for i in range(args.num_requests)]
     options = [("grpc.max_receive_message_length", 64 << 20)]
-    async with _channel(address, args.tls_ca, options) as channel:
+    async with open_aio_channel(address, args.tls_ca, options) as channel:
         stub = pb_grpc.GenerationStub(channel)
         start = time.perf_counter()
         if rate is None:
@@ -150,13 +151,6 @@ async def run_level(address: str, prompts: list[str], args: argparse.Namespace, 
         else:
             results = await _open_loop(stub, requests, rate, args.seed, args.timeout, progress)
         return results, time.perf_counter() - start
-
-
-def _channel(address: str, tls_ca: str | None, options):
-    if tls_ca:
-        credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
-        return grpc.aio.secure_channel(address, credentials, options=options)
-    return grpc.aio.insecure_channel(address, options=options)
 
 
 async def _closed_loop(stub, requests, concurrency: int, timeout: float, progress) -> list[RequestResult]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-
 import grpc
 
+from splitspec.channel import open_channel
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -32,17 +31,6 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 def _add_tls_ca(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="connect over TLS, trusting the CA certificates in PEM (a target run with --tls-cert)")
-
-
-def open_channel(address: str, tls_ca: str | None = None) -> grpc.Channel:
-    """A plaintext channel, or a TLS one that trusts the CA bundle in the `tls_ca` file."""
-    if tls_ca is None:
-        return grpc.insecure_channel(address)
-    try:
-        roots = Path(tls_ca).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"cannot read --tls-ca {tls_ca}: {exc.strerror or exc}") from exc
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots))
 
 
 def _add_generate(sub) -> None:
@@ -174,17 +162,76 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from google.protobuf import text_format
-
     with open_channel(args.target, args.tls_ca) as channel:
         stub = pb_grpc.GenerationStub(channel)
         model = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
         server = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=args.timeout)
-    print("model:")
-    print(text_format.MessageToString(model, indent=2), end="")
-    print("server:")
-    print(text_format.MessageToString(server, indent=2), end="")
+    print(format_info(model, server))
     return 0
+
+
+def _enum_name(enum, value: int, prefix: str) -> str:
+    return enum.Name(value).removeprefix(prefix) if value in enum.values() else str(value)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+def _rows(pairs: list[tuple[str, object]]) -> list[str]:
+    width = max(len(key) for key, _ in pairs)
+    return [f"  {key:<{width}}  {value}" for key, value in pairs]
+
+
+def format_info(model: pb.ModelInfo, server: pb.ServerInfo) -> str:
+    """Model, server, drafter and KV layout as short aligned tables (one row per layer)."""
+    drafter = server.drafter
+    lines = ["model", *_rows([
+        ("id", model.model_id), ("architecture", model.architecture), ("dtype", model.dtype),
+        ("layers", model.num_layers), ("hidden size", model.hidden_size), ("vocab size", model.vocab_size),
+        ("max model len", model.max_model_len), ("eos token ids", ", ".join(map(str, model.eos_token_ids)) or "-"),
+    ])]
+    lines += ["server", *_rows([
+        ("running", server.running), ("waiting", server.waiting),
+        ("pages free", f"{server.free_pages} / {server.num_pages}"),
+    ])]
+    status = _enum_name(pb.DrafterState.Status, drafter.status, "STATUS_").lower()
+    drafter_rows = [("status", status)]
+    if drafter.status != pb.DrafterState.STATUS_NONE:
+        drafter_rows += [("address", drafter.address or "-"), ("kind", drafter.kind or "-"),
+                         ("K", drafter.num_speculative_tokens), ("epoch", drafter.epoch)]
+    if drafter.detail:
+        drafter_rows.append(("detail", drafter.detail))
+    lines += ["drafter", *_rows(drafter_rows)]
+    lines += _layout_lines(server)
+    return "\n".join(lines)
+
+
+def _layout_lines(server: pb.ServerInfo) -> list[str]:
+    if not server.HasField("kv_layout"):
+        return ["kv layout", "  not resolved yet"]
+    from splitspec.v1 import kv_layout_pb2 as kv
+
+    layout = server.kv_layout
+    lines = ["kv layout", *_rows([
+        ("order", _enum_name(kv.PageOrder, layout.order, "PAGE_ORDER_")),
+        ("dtype", _enum_name(kv.KVDtype, layout.kv_dtype, "KV_DTYPE_").lower()),
+        ("page size", f"{layout.page_size} tokens"), ("pages", layout.num_pages),
+        ("pool size", _mib(layout.total_bytes)), ("epoch", layout.epoch), ("target id", layout.target_id),
+    ])]
+    if layout.HasField("staging"):
+        staging = layout.staging
+        lines += _rows([("staging", f"{staging.rows} rows x {staging.width} "
+                         f"({_enum_name(kv.KVDtype, staging.dtype, 'KV_DTYPE_').lower()}), "
+                         f"hidden states of layers {', '.join(map(str, staging.layer_ids))}")])
+    header = ("owner", "layer", "kv heads", "head dim", "offset", "k scale", "v scale")
+    table = [header] + [(_enum_name(kv.LayerOwner, spec.owner, "LAYER_OWNER_").lower(), str(spec.index),
+                         str(spec.num_kv_heads), str(spec.head_dim), _mib(spec.offset), f"{spec.k_scale:g}",
+                         f"{spec.v_scale:g}") for spec in layout.layers]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines += ["  " + "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                               enumerate(zip(row, widths))) for row in table]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,11 @@
 Starts the drafter and the target as two child processes (`python -m draft_service.cli`,
 `python -m target_service.cli --drafter ...`), sharing a generated internal token unless
 `SPLITSPEC_INTERNAL_TOKEN` is set; waits until both serve `grpc.health.v1` and the
-target reports the drafter handshaken (`GetServerInfo`: drafter READY); prints the
-address and an example; streams both logs with a `[target]`/`[draft]` prefix; and on
-Ctrl-C or SIGTERM stops the target, then the drafter (SIGTERM, then SIGKILL after a grace).
+target reports the drafter handshaken (`GetServerInfo`: drafter READY); then starts
+`splitspec-gateway` (OpenAI-compatible HTTP) in front of the target and waits for its
+/health; prints the addresses and examples; streams the logs with a `[target]`/`[draft]`/
+`[gateway]` prefix; and on Ctrl-C or SIGTERM stops the gateway, the target, then the
+drafter (SIGTERM, then SIGKILL after a grace).
 
 The children run in their own process group, so a terminal's Ctrl-C reaches only this
 process, which stops them in order; on Linux they also get SIGTERM if it dies.
@@ -14,6 +16,7 @@ process, which stops them in order; on Linux they also get SIGTERM if it dies.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -32,6 +35,7 @@ from splitspec.net import free_port
 DRAFTERS = ("dflash", "draft_model", "ngram", "none")
 DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "demo"
 READY_LINE = "splitspec up: ready at {address}"
+GATEWAY_LINE = "OpenAI API at {url}"
 EXIT_FAILED = 1
 
 
@@ -49,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the target's public address (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=50051, help="the target's public port (0: any free port)")
     p.add_argument("--draft-port", type=int, default=50061, help="the drafter's port on 127.0.0.1 (0: any)")
+    p.add_argument("--gateway-port", type=int, default=8000, help="the OpenAI HTTP port, on --host (0: any)")
+    p.add_argument("--no-gateway", action="store_true", help="do not start splitspec-gateway")
+    p.add_argument("--served-model-name", default="splitspec-demo", help="the model name OpenAI clients pass")
     p.add_argument("--num-speculative-tokens", type=int, default=8, help="K: draft tokens per step")
     p.add_argument("--drafter-timeout-s", type=float, default=5.0, help="per-step Propose deadline")
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences in a running batch (sizes the KV pool)")
@@ -181,7 +188,7 @@ def model_dirs(models: Path, drafter: str) -> tuple[Path, Path | None]:
     for folder in (target, draft):
         if folder is not None and not (folder / "config.json").is_file():
             raise UpError(f"no checkpoint in {folder}: train the demo pair with "
-                          f"`python scripts/train_demo.py` or pass --models DIR")
+                          f"`{command_path('python')} scripts/train_demo.py` or pass --models DIR")
     return target, draft
 
 
@@ -207,6 +214,40 @@ def target_args(args: argparse.Namespace, target_dir: Path, drafter_address: str
     return ["--model", str(target_dir), "--host", args.host, "--port", str(port), *drafter,
             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-dtype", args.kv_cache_dtype,
             "--shm-dir", args.shm_dir, "--shutdown-grace-s", "5", "--log-level", args.log_level]
+
+
+def gateway_args(args: argparse.Namespace, target_address: str, port: int) -> list[str]:
+    return ["--target", target_address, "--host", args.host, "--port", str(port), "--served-model-name",
+            args.served_model_name, "--shutdown-grace-s", "5", "--log-level", args.log_level]
+
+
+def wait_http_ok(child: Child, url: str, deadline: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    while True:
+        child.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise UpError(f"{child.name} at {url} was not healthy in time")
+        time.sleep(0.1)
+
+
+def command_path(name: str) -> str:
+    """How to run an installed command from here: the venv's own copy (relative to the
+    current folder when inside it), so a pasted command works without activating the venv."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _client_host(host: str) -> str:
@@ -259,9 +300,18 @@ def bring_up(args: argparse.Namespace, stack: Stack) -> str:
     state = wait_handshake(target, address, deadline)
     drafter = f"drafter {state.kind} at {drafter_address}, K={state.num_speculative_tokens}" \
         if drafter_address else "no drafter"
-    stack.say(f"{READY_LINE.format(address=address)} ({drafter})\n"
-              f"  try: splitspec generate --target {address} \"def fibonacci(n):\"\n"
-              f"  Ctrl-C stops both services.")
+    lines = [f"{READY_LINE.format(address=address)} ({drafter})",
+             f"  try: {command_path('splitspec')} generate --target {address} \"def fibonacci(n):\""]
+    if not args.no_gateway:
+        port = args.gateway_port or free_port(args.host)
+        base = f"http://{_client_host(args.host)}:{port}"
+        gateway = stack.start("gateway", "splitspec.gateway.cli", gateway_args(args, address, port), env)
+        wait_http_ok(gateway, f"{base}/health", deadline)
+        body = json.dumps({"model": args.served_model_name, "prompt": "def fibonacci(n):", "max_tokens": 64})
+        lines[0] += f"; {GATEWAY_LINE.format(url=base + '/v1')}"
+        lines.append(f"       curl -s {base}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+    lines.append("  Ctrl-C stops them all.")
+    stack.say("\n".join(lines))
     return address
 
 

@@ -27,12 +27,14 @@ TOKEN = "test-internal-token"
 
 
 class Service:
-    """`python -m <module> <args>` with its log in a file."""
+    """`python -m <module> <args>` with its log in a file (`metrics_flag`: the module takes
+    --metrics-port, which defaults to 0 here)."""
 
-    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, module: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 metrics_flag: bool = True) -> None:
         self.log_path = log_path
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLITSPEC_INTERNAL_TOKEN": TOKEN, **(env or {})}
-        if not any(a.startswith("--metrics-port") for a in args):
+        if metrics_flag and not any(a.startswith("--metrics-port") for a in args):
             args = [*args, "--metrics-port=0"]  # many services at once: no fixed metrics ports
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, stdout=log,

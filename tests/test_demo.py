@@ -7,12 +7,13 @@ bundled `demo/` when it is complete, else the smoke outputs: never a silent skip
   greedy output on held-out snippets;
 - end to end through `splitspec up`'s own code path (two processes, handshake, shared
   pages): greedy tokens with speculation equal those without, Usage shows drafts, and
-  Ctrl-C stops both services cleanly.
+  the gateway answers the curl command it prints, and Ctrl-C stops all three cleanly.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -195,13 +196,16 @@ def _serving(address: str) -> bool:
 def test_up_dflash_end_to_end_is_lossless(demo_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    port, draft_port = free_port(), free_port()
+    port, draft_port, gateway_port = free_port(), free_port(), free_port()
     up = Up(["--drafter", "dflash", "--models", str(demo_dir), "--port", str(port), "--draft-port", str(draft_port),
-             "--shm-dir", str(tmp_path), "--max-num-seqs", "4"], tmp_path / "up.log")
+             "--gateway-port", str(gateway_port), "--shm-dir", str(tmp_path), "--max-num-seqs", "4"],
+            tmp_path / "up.log")
     try:
         address = up.wait_ready()
         assert address == f"127.0.0.1:{port}"
-        assert re.search(r"splitspec generate --target 127\.0\.0\.1:\d+ ", up.log())
+        bin_dir = re.escape(os.path.relpath(Path(sys.executable).parent / "splitspec", REPO_ROOT))
+        assert re.search(bin_dir + r" generate --target 127\.0\.0\.1:\d+ ", up.log())  # works when pasted
+        _check_printed_curl(up.log(), gateway_port)
         tokenizer = AutoTokenizer.from_pretrained(demo_dir / "target")
         prompts = ["def fibonacci(n):", *held_out_snippets(tokenizer, 2, 48)]
         drafted = 0
@@ -217,9 +221,19 @@ def test_up_dflash_end_to_end_is_lossless(demo_dir, tmp_path):
     finally:
         code = up.interrupt()
     assert code == 0, up.log()
-    assert "target stopped" in up.log() and "draft stopped" in up.log()
+    assert all(f"{name} stopped" in up.log() for name in ("gateway", "target", "draft"))
     assert not _serving(f"127.0.0.1:{port}") and not _serving(f"127.0.0.1:{draft_port}")
     assert not list(tmp_path.glob("splitspec*")), "the target left its shared-memory pool file behind"
+
+
+def _check_printed_curl(log: str, gateway_port: int) -> None:
+    """Run the curl command `splitspec up` printed (as pasted into a shell): an OpenAI completion."""
+    line = next(line for line in log.splitlines() if line.strip().startswith("curl "))
+    assert f"http://127.0.0.1:{gateway_port}/v1/completions" in line
+    run = subprocess.run(["bash", "-c", line.strip()], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    reply = json.loads(run.stdout)
+    assert reply["model"] == "splitspec-demo" and reply["usage"]["completion_tokens"] > 0, reply
 
 
 def test_up_explains_missing_models(tmp_path):

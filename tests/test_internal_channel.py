@@ -15,6 +15,7 @@ import ipaddress
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -136,6 +137,35 @@ def test_the_client_cli_speaks_tls_with_tls_ca(tls_target, tls_files):
     assert done.returncode == 1 and "UNAVAILABLE" in done.stderr
     done = run("generate", "--target", tls_target.address, "--tls-ca", "/no/such/ca.pem", "hi")
     assert done.returncode == 2 and "cannot read --tls-ca /no/such/ca.pem" in done.stderr
+
+
+def test_the_gateway_reaches_a_tls_target_with_tls_ca(tls_target, tls_files, tmp_path):
+    import httpx2
+
+    cert, _ = tls_files
+    gateways = []
+    try:
+        for extra in (["--tls-ca", str(cert)], []):  # with the CA, and plaintext against TLS
+            gateway = Service("splitspec.gateway.cli", ["--target", tls_target.address, "--port", "0", *extra],
+                              tmp_path / f"gateway{len(gateways)}.log", metrics_flag=False)
+            gateways.append(gateway)
+            gateway.wait_listening()
+        good, plain = (f"http://{g.address}" for g in gateways)
+        model = httpx2.get(f"{good}/v1/models", timeout=30).json()["data"][0]["id"]
+        reply = httpx2.post(f"{good}/v1/completions", json={"model": model, "prompt": PROMPTS[0], "max_tokens": 4,
+                                                            "ignore_eos": True}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
+        assert httpx2.get(f"{plain}/health", timeout=30).status_code == 503
+    finally:
+        for gateway in gateways:
+            assert gateway.stop() == 0, gateway.log()
+    bad = subprocess.run([*_gateway_cmd(), "--target", tls_target.address, "--tls-ca", "/no/such/ca.pem"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert bad.returncode == 2 and "cannot read --tls-ca /no/such/ca.pem" in bad.stderr
+
+
+def _gateway_cmd() -> list[str]:
+    return [sys.executable, "-m", "splitspec.gateway.cli"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -46,33 +46,38 @@ def family_of(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """A target and an ngram drafter with metrics endpoints on loopback."""
+    """A target and an ngram drafter with metrics endpoints on loopback, and a gateway."""
     tmp = tmp_path_factory.mktemp("obs")
     model = make_qwen3(tmp / "model")
-    ports = {"target_metrics": free_port(), "draft_metrics": free_port()}
+    ports = {"target_metrics": free_port(), "draft_metrics": free_port(), "gateway": free_port()}
     drafter = Service("draft_service.cli", ["--kind", "ngram", "--port", "0", "--metrics-port",
                                             str(ports["draft_metrics"])], tmp / "drafter.log")
-    target = None
+    target = gateway = None
     try:
         drafter.wait_serving()
         target = Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(tmp),
                                                 "--num-pages", "256", "--drafter", drafter.address,
                                                 "--metrics-port", str(ports["target_metrics"])], tmp / "target.log")
         target.wait_serving()
+        gateway = Service("splitspec.gateway.cli", ["--target", target.address, "--port", str(ports["gateway"])],
+                          tmp / "gateway.log", metrics_flag=False)
+        gateway.wait_listening()
         yield {"target": target.address, "tmp": tmp, **ports}
     finally:
+        if gateway is not None:
+            gateway.stop()
         if target is not None:
             target.stop()
         drafter.kill()
 
 
-def _prometheus_config(tmp: Path, target_port: int, draft_port: int) -> Path:
+def _prometheus_config(tmp: Path, target_port: int, draft_port: int, gateway_port: int) -> Path:
     """The repo's scrape config, its jobs pointed at loopback."""
     config = yaml.safe_load((REPO_ROOT / "deploy/prometheus/prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
-    ports = {"splitspec-target": target_port, "splitspec-draft": draft_port}
+    ports = {"splitspec-target": target_port, "splitspec-draft": draft_port, "splitspec-gateway": gateway_port}
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == set(ports), "the repo's scrape config names other jobs than the two services"
+    assert set(jobs) == set(ports), "the repo's scrape config names other jobs than the three services"
     for name, port in ports.items():
         jobs[name]["static_configs"] = [{"targets": [f"127.0.0.1:{port}"]}]
     path = tmp / "prometheus.yml"
@@ -86,10 +91,21 @@ def _query(base: str, promql: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+def _gateway_completion(port: int, prompt: str) -> dict:
+    """One OpenAI completion through the gateway; its usage."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 20, "ignore_eos": True, "temperature": 0})
+    models = json.loads(_http_get(f"http://127.0.0.1:{port}/v1/models"))
+    body = body.replace('"m"', json.dumps(models["data"][0]["id"]))
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())["usage"]
+
+
 @pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus package is installed by .ci/run")
 def test_prometheus_reads_what_the_responses_report(stack):
     tmp = stack["tmp"]
-    config = _prometheus_config(tmp, stack["target_metrics"], stack["draft_metrics"])
+    config = _prometheus_config(tmp, stack["target_metrics"], stack["draft_metrics"], stack["gateway"])
     port = free_port()
     prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
                                    f"--web.listen-address=127.0.0.1:{port}"],
@@ -100,18 +116,23 @@ def test_prometheus_reads_what_the_responses_report(stack):
                     for p in PROMPTS[:12]]
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda r: stream_tokens(stack["target"], r), requests))
-        drafted = sum(c.usage.draft_tokens for _, c in results)
-        accepted = sum(c.usage.accepted_tokens for _, c in results)
+        usage = _gateway_completion(stack["gateway"], PROMPTS[0])  # one more, through the gateway
+        drafted = sum(c.usage.draft_tokens for _, c in results) + usage["speculation"]["draft_tokens"]
+        accepted = sum(c.usage.accepted_tokens for _, c in results) + usage["speculation"]["accepted_tokens"]
         assert drafted > 0
         want = {
             "sum(splitspec_spec_decode_num_accepted_tokens_total) / sum(splitspec_spec_decode_num_draft_tokens_total)":
                 accepted / drafted,
-            "sum(splitspec_time_to_first_token_seconds_count)": len(requests),
-            "sum(splitspec_requests_finished_total)": len(requests),
-            "sum(splitspec_generation_tokens_total)": sum(len(t) for t, _ in results),
-            "sum(splitspec_spec_decode_num_drafts_total)": sum(c.usage.num_drafts for _, c in results),
+            "sum(splitspec_time_to_first_token_seconds_count)": len(requests) + 1,
+            "sum(splitspec_requests_finished_total)": len(requests) + 1,
+            "sum(splitspec_generation_tokens_total)": sum(len(t) for t, _ in results) + usage["completion_tokens"],
+            "sum(splitspec_spec_decode_num_drafts_total)":
+                sum(c.usage.num_drafts for _, c in results) + usage["speculation"]["num_drafts"],
             "splitspec_drafter_up": 1,
             'up{job="splitspec-draft"}': 1,
+            'up{job="splitspec-gateway"}': 1,
+            "sum(splitspec_gateway_generation_tokens_total)": usage["completion_tokens"],
+            'sum(splitspec_gateway_requests_total{endpoint="/v1/completions",status="200"})': 1,
         }
         deadline = time.monotonic() + 60
         got = {}
@@ -198,7 +219,7 @@ def _compose_config(*files: str) -> dict:
 @pytest.mark.skipif(COMPOSE is None, reason="Debian's docker-compose package is installed by .ci/run")
 def test_compose_files_validate():
     gpu = _compose_config("docker-compose.yml")
-    assert set(gpu["services"]) == {"target", "draft", "prometheus", "grafana"}
+    assert set(gpu["services"]) == {"target", "draft", "gateway", "prometheus", "grafana"}
     for name in ("target", "draft"):
         service = gpu["services"][name]
         assert service["ipc"] == "host" and service["pid"] == "host"
@@ -211,8 +232,12 @@ def test_compose_files_validate():
         assert default in command
     assert "z-lab/Qwen3-8B-DFlash-b16" in " ".join(gpu["services"]["draft"]["command"])
     cpu = _compose_config("docker-compose.cpu.yml")
-    assert set(cpu["services"]) == {"target", "draft", "prometheus", "grafana"}
+    assert set(cpu["services"]) == {"target", "draft", "gateway", "prometheus", "grafana"}
     assert "deploy" not in cpu["services"]["target"]
+    for config in (gpu, cpu):
+        gateway = config["services"]["gateway"]
+        assert "deploy" not in gateway and gateway["depends_on"]["target"]["condition"] == "service_healthy"
+        assert "--target=target:50051" in gateway["command"]
 
 
 def _loopback(argv: list[str], swaps: dict[str, str]) -> list[str]:
@@ -230,17 +255,18 @@ def test_cpu_compose_services_run_as_configured(tmp_path):
     """Run target and draft with exactly the CPU variant's commands and environment, on
     loopback: only the container's addresses, ports and /app paths are swapped."""
     services = _compose_config("docker-compose.cpu.yml")["services"]
-    ports = {"50051": str(free_port()), "9400": str(free_port()), "9401": str(free_port())}
+    ports = {"50051": str(free_port()), "9400": str(free_port()), "9401": str(free_port()), "8000": str(free_port())}
     swaps = {"unix:///run/splitspec/": f"unix://{tmp_path}/", "/app/": f"{REPO_ROOT}/", "0.0.0.0": "127.0.0.1",
              "--port=50051": f"--port={ports['50051']}", "--metrics-port=9400": f"--metrics-port={ports['9400']}",
-             "--metrics-port=9401": f"--metrics-port={ports['9401']}"}
+             "--metrics-port=9401": f"--metrics-port={ports['9401']}", "target:50051": f"127.0.0.1:{ports['50051']}",
+             "--port=8000": f"--port={ports['8000']}", "localhost:8000": f"localhost:{ports['8000']}"}
     procs = {}
     try:
-        for name in ("draft", "target"):  # the compose order: target depends on a healthy draft
+        for name in ("draft", "target", "gateway"):  # the compose order: each depends on the one before
             service = services[name]
             argv = _loopback(service["command"], swaps)
             argv[0] = str(BIN / argv[0])
-            env = {"PATH": f"{BIN}:/usr/bin:/bin", **service["environment"]}
+            env = {"PATH": f"{BIN}:/usr/bin:/bin", **service.get("environment", {})}
             if name == "target":
                 argv.append(f"--shm-dir={tmp_path}")  # /dev/shm is the container's; keep the test's own
             log = (tmp_path / f"{name}.log").open("wb")
@@ -252,8 +278,10 @@ def test_cpu_compose_services_run_as_configured(tmp_path):
         info = server_info(f"127.0.0.1:{ports['50051']}")
         assert info.drafter.status == pb.DrafterState.STATUS_READY, info
         assert info.drafter.kind == "dflash"
-        for port in (ports["9400"], ports["9401"]):
+        for port in (ports["9400"], ports["9401"], ports["8000"]):
             assert "splitspec_" in _http_get(f"http://127.0.0.1:{port}/metrics")
+        models = json.loads(_http_get(f"http://127.0.0.1:{ports['8000']}/v1/models"))
+        assert [m["id"] for m in models["data"]] == ["splitspec-demo"]
     finally:
         for proc in procs.values():
             proc.terminate()

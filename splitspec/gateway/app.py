@@ -1,0 +1,463 @@
+"""The gateway's routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Each generation request is one `Generate` call on the target. A streaming response
+starts only once the target has admitted the request, so a refused request gets its
+HTTP status (400, 429, 503) instead of a 200 stream that fails; a client that goes
+away cancels the call, which aborts the request on the target and frees its pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import grpc
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from splitspec.gateway import convert
+from splitspec.gateway.config import GatewayConfig
+from splitspec.gateway.errors import OpenAIError, from_rpc_error, invalid, unsupported
+from splitspec.gateway.metrics import GatewayMetrics
+from splitspec.gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    unsupported_chat,
+    unsupported_completion,
+)
+from splitspec.gateway.target import TargetClient
+from splitspec.v1 import generation_pb2 as pb
+
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+SSE_PING_S = 15
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+@dataclass
+class Gateway:
+    """What the routes share: settings, the target connection, metrics."""
+
+    config: GatewayConfig
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    target: TargetClient | None = None
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def client(self) -> TargetClient:
+        if self.target is None:
+            raise OpenAIError(503, "the gateway is starting", "service_unavailable")
+        return self.target
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (by Content-Length, or while it streams in)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"the request body ({declared} bytes) is larger than {limit} bytes",
+                          "invalid_request_error", None, "request_too_large")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
+                              None, "request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _param(loc: tuple) -> str | None:
+    """A pydantic error location as a dotted OpenAI parameter, without union member tags."""
+    kept = [str(p) for p in loc if isinstance(p, int) or (_IDENTIFIER.match(p) and p not in _TYPE_TAGS)]
+    return ".".join(kept) or None
+
+
+def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
+    errors = exc.errors(include_url=False)
+    # a union reports every member: prefer a member's real complaint (too long, out of
+    # range) over "should be a valid <other type>"
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    param = _param(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return unsupported(param or "body", f"{param}: unknown parameter (splitspec does not support it)")
+    if first["type"] == "json_invalid":
+        return invalid(None, f"the body is not valid JSON: {first['msg']}")
+    return invalid(param, f"{param}: {first['msg']}" if param else first["msg"])
+
+
+async def parse(request: Request, model: type[pydantic.BaseModel], limit: int):
+    body = await read_body(request, limit)
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+# ---------------------------------------------------------------- generation
+
+
+@dataclass
+class Generation:
+    """One request in flight: its OpenAI id, endpoint, the admitted call and timings."""
+
+    gateway: Gateway
+    endpoint: str
+    request_id: str
+    model: str
+    call: grpc.aio.UnaryStreamCall
+    arrival: float
+    created: int = field(default_factory=lambda: int(time.time()))
+    first_text_at: float | None = None
+    finished: bool = False
+
+    def saw_text(self) -> None:
+        if self.first_text_at is None:
+            self.first_text_at = time.perf_counter()
+            self.gateway.metrics.ttft.labels(self.endpoint).observe(self.first_text_at - self.arrival)
+
+    def done(self, complete: pb.Complete | None) -> None:
+        """Record the end, once (complete is None: the client went away or the call failed)."""
+        if self.finished:
+            return
+        self.finished = True
+        m = self.gateway.metrics
+        self.call.cancel()  # a no-op when the call has ended; else the target aborts the request
+        m.in_flight.labels(self.endpoint).dec()
+        m.duration.labels(self.endpoint).observe(time.perf_counter() - self.arrival)
+        if complete is not None:
+            m.prompt_tokens.inc(complete.usage.prompt_tokens)
+            m.generation_tokens.inc(complete.usage.completion_tokens)
+
+
+async def check_model(gateway: Gateway, name: str) -> str:
+    """The served model name; 404 (as OpenAI and vLLM) for any other."""
+    try:
+        info = await gateway.client().model_info()
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc) from None
+    served = gateway.config.served_model_name or info.model_id
+    if name not in (served, info.model_id):
+        raise OpenAIError(404, f"The model `{name}` does not exist (this gateway serves `{served}`).",
+                          "not_found_error", "model", "model_not_found")
+    return served
+
+
+async def start(gateway: Gateway, endpoint: str, request_id: str, model: str, request: pb.GenerateRequest,
+                arrival: float, chat: bool) -> Generation:
+    try:
+        call = await gateway.client().start(request)
+    except grpc.aio.AioRpcError as exc:
+        gateway.metrics.target_errors.labels(exc.code().name).inc()
+        raise from_rpc_error(exc, chat) from None
+    gateway.metrics.in_flight.labels(endpoint).inc()
+    return Generation(gateway, endpoint, request_id, model, call, arrival)
+
+
+async def collect(gen: Generation) -> tuple[str, pb.Complete]:
+    """Read the whole call: its text and Complete (OpenAIError when it fails)."""
+    parts: list[str] = []
+    try:
+        async for response in gen.call:
+            if response.HasField("chunk"):
+                if response.chunk.text:
+                    gen.saw_text()
+                    parts.append(response.chunk.text)
+            else:
+                return "".join(parts), response.complete
+    except grpc.aio.AioRpcError as exc:
+        gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
+        raise from_rpc_error(exc) from None
+    raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect_unless_disconnected(request: Request, gen: Generation) -> tuple[str, pb.Complete] | None:
+    """`collect`, or None as soon as the client disconnects (the call is then cancelled)."""
+    result = None
+    async with anyio.create_task_group() as group:
+        async def watch() -> None:
+            await wait_disconnect(request)
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            result = await collect(gen)
+        finally:
+            group.cancel_scope.cancel()
+    return result
+
+
+async def respond_whole(request: Request, gen: Generation, build) -> Response:
+    complete = None
+    try:
+        result = await collect_unless_disconnected(request, gen)
+        if result is None:
+            gen.gateway.metrics.disconnects.labels(gen.endpoint).inc()
+            return Response(status_code=499)  # nobody is listening; uvicorn drops it
+        text, complete = result
+        body = build(gen, text, complete)
+        return Response(body.model_dump_json(), media_type="application/json",
+                        headers={"x-request-id": gen.request_id})
+    finally:
+        gen.done(complete)
+
+
+class GenerationStream(EventSourceResponse):
+    """An SSE response that ends its Generation however the response ends, even when the
+    client left before the first event (the events generator then never ran)."""
+
+    def __init__(self, gen: Generation, events: AsyncIterator[str]) -> None:
+        super().__init__(events, ping=SSE_PING_S, sep="\n", headers={"x-request-id": gen.request_id},
+                         shutdown_grace_period=gen.gateway.config.shutdown_grace_s)
+        self.generation = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.generation.finished:
+                self.generation.gateway.metrics.disconnects.labels(self.generation.endpoint).inc()
+                self.generation.done(None)
+
+
+def respond_stream(gen: Generation, events: AsyncIterator[str]) -> EventSourceResponse:
+    return GenerationStream(gen, events)
+
+
+async def stream_events(gen: Generation, chunk, final, include_usage: bool) -> AsyncIterator[str]:
+    """SSE data: one event per chunk of text, the finish, the usage if asked, then [DONE].
+    Closing this generator early (the client went away) cancels the call."""
+    complete, failed = None, False
+    try:
+        async for response in gen.call:
+            if response.HasField("chunk"):
+                if response.chunk.text:
+                    gen.saw_text()
+                    yield chunk(response.chunk.text)
+            else:
+                complete = response.complete
+        if complete is None:
+            raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
+        for event in final(complete, include_usage):
+            yield event
+        yield "[DONE]"
+    except grpc.aio.AioRpcError as exc:
+        failed = True
+        gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
+        yield _error_event(from_rpc_error(exc))
+    except OpenAIError as exc:
+        failed = True
+        yield _error_event(exc)
+    finally:
+        if complete is None and not failed:  # closed or cancelled early: the client went away
+            gen.gateway.metrics.disconnects.labels(gen.endpoint).inc()
+        gen.done(complete)
+
+
+def _error_event(exc: OpenAIError) -> str:
+    return json.dumps(exc.body())
+
+
+# ---------------------------------------------------------------- the two endpoints
+
+
+def completion_body(gen: Generation, text: str, complete: pb.Complete) -> CompletionResponse:
+    return CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
+                              choices=[CompletionChoice(text=text, finish_reason=convert.finish_reason(complete))],
+                              usage=convert.usage(complete.usage))
+
+
+def chat_body(gen: Generation, text: str, complete: pb.Complete) -> ChatCompletionResponse:
+    return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
+                                  choices=[ChatChoice(message=AssistantMessage(content=text),
+                                                      finish_reason=convert.finish_reason(complete))],
+                                  usage=convert.usage(complete.usage))
+
+
+_SENTINEL = "\x00splitspec-text\x00"
+_SENTINEL_JSON = json.dumps(_SENTINEL)
+
+
+class TextChunks:
+    """The JSON of a stream's text chunks: the pydantic model renders one chunk per stream
+    with a placeholder text, and each chunk splices in its own text (json.dumps), which
+    costs a fraction of a model build and dump per token."""
+
+    def __init__(self, template: pydantic.BaseModel) -> None:
+        self._prefix, found, self._suffix = template.model_dump_json().rpartition(_SENTINEL_JSON)
+        if not found:
+            raise ValueError("the chunk template has no text placeholder")
+
+    def __call__(self, text: str) -> str:
+        return self._prefix + json.dumps(text, ensure_ascii=False) + self._suffix
+
+
+def completion_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
+    def event(text: str | None, finish: str | None = None, usage=None, choices: bool = True) -> str:
+        listed = [CompletionChoice(text=text or "", finish_reason=finish)] if choices else []
+        return CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model, choices=listed,
+                                  usage=usage).model_dump_json()
+
+    def final(complete: pb.Complete, with_usage: bool) -> list[str]:
+        events = [event("", convert.finish_reason(complete))]
+        if with_usage:
+            events.append(event(None, usage=convert.usage(complete.usage), choices=False))
+        return events
+
+    return stream_events(gen, TextChunks(CompletionResponse(
+        id=gen.request_id, created=gen.created, model=gen.model,
+        choices=[CompletionChoice(text=_SENTINEL, finish_reason=None)])), final, include_usage)
+
+
+def chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
+    def event(delta: dict[str, str] | None, finish: str | None = None, usage=None) -> str:
+        choices = [ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
+        return ChatCompletionChunk(id=gen.request_id, created=gen.created, model=gen.model, choices=choices,
+                                   usage=usage).model_dump_json()
+
+    def final(complete: pb.Complete, with_usage: bool) -> list[str]:
+        events = [event({}, convert.finish_reason(complete))]
+        if with_usage:
+            events.append(event(None, usage=convert.usage(complete.usage)))
+        return events
+
+    async def with_role() -> AsyncIterator[str]:
+        yield event({"role": "assistant", "content": ""})
+        text = TextChunks(ChatCompletionChunk(id=gen.request_id, created=gen.created, model=gen.model,
+                                              choices=[ChatChunkChoice(delta={"content": _SENTINEL})]))
+        async with contextlib.aclosing(stream_events(gen, text, final, include_usage)) as events:
+            async for data in events:
+                yield data
+
+    return with_role()
+
+
+# ---------------------------------------------------------------- the app
+
+
+def _record_status(gateway: Gateway):
+    """Pure ASGI middleware: splitspec_gateway_requests_total{endpoint, status}."""
+
+    def wrap(app):
+        async def middleware(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            endpoint = scope["path"] if scope["path"] in ROUTES else "other"
+
+            async def recording_send(message):
+                if message["type"] == "http.response.start":
+                    gateway.metrics.requests.labels(endpoint, str(message["status"])).inc()
+                await send(message)
+
+            await app(scope, receive, recording_send)
+
+        return middleware
+
+    return wrap
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gateway = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gateway.target = TargetClient(config.target, config.tls_ca, config.max_message_bytes)
+        try:
+            yield
+        finally:
+            await gateway.target.close()
+
+    app = FastAPI(title="splitspec-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+    app.add_middleware(_record_status(gateway))
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await parse(request, CompletionRequest, config.max_body_bytes)
+        if (found := unsupported_completion(req)) is not None:
+            raise unsupported(*found)
+        model = await check_model(gateway, req.model)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        gen = await start(gateway, COMPLETIONS, request_id, model, convert.completion_request(req, request_id),
+                          arrival, chat=False)
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return respond_stream(gen, completion_events(gen, include_usage))
+        return await respond_whole(request, gen, completion_body)
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = await parse(request, ChatCompletionRequest, config.max_body_bytes)
+        if (found := unsupported_chat(req)) is not None:
+            raise unsupported(*found)
+        model = await check_model(gateway, req.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = await start(gateway, CHAT, request_id, model, convert.chat_request(req, request_id), arrival,
+                          chat=True)
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return respond_stream(gen, chat_events(gen, include_usage))
+        return await respond_whole(request, gen, chat_body)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            info = await gateway.client().model_info(refresh=True)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        card = ModelCard(id=config.served_model_name or info.model_id, created=gateway.started,
+                         root=info.model_id, max_model_len=info.max_model_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = await gateway.client().health(config.health_timeout_s)
+        return JSONResponse({"status": status, "target": config.target},
+                            status_code=200 if status == "SERVING" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,79 @@
+"""OpenAI requests → `GenerateRequest`; the target's answers → OpenAI's fields.
+
+The chat template is the target's: a chat request goes over the public API as
+`ChatMessages`, rendered by the target's tokenizer (as vLLM renders it in its server),
+so the gateway holds no tokenizer and cannot disagree with the target about it.
+"""
+
+from __future__ import annotations
+
+from splitspec.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    SpeculationUsage,
+    Usage,
+    message_text,
+)
+from splitspec.v1 import generation_pb2 as pb
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_MODEL_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",  # as vLLM: aborted on the target (Abort RPC, shutdown)
+}
+
+
+def _sampling(req: SamplingRequest, max_tokens: int | None, request: pb.GenerateRequest) -> None:
+    temperature = OPENAI_DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    request.sampling.temperature = temperature
+    if req.top_p is not None:
+        request.sampling.top_p = req.top_p
+    if req.top_k is not None:
+        request.sampling.top_k = req.top_k
+    if req.seed is not None:
+        request.sampling.seed = req.seed
+    if max_tokens is not None:
+        request.stop.max_tokens = max_tokens
+    request.stop.stop.extend(req.stop_strings())
+    request.stop.stop_token_ids.extend(req.stop_token_ids or ())
+    request.stop.ignore_eos = req.ignore_eos
+    if req.speculation is not None:
+        request.speculation.disable = req.speculation.disable
+        request.speculation.num_speculative_tokens = req.speculation.num_speculative_tokens
+
+
+def completion_request(req: CompletionRequest, request_id: str) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=request_id)
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)  # empty: the target names the field
+    _sampling(req, req.max_tokens, request)
+    return request
+
+
+def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=request_id)
+    for message in req.messages:
+        request.chat.messages.add(role=message.role, content=message_text(message))
+    request.chat.add_generation_prompt = req.add_generation_prompt
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    _sampling(req, max_tokens, request)
+    return request
+
+
+def usage(u: pb.Usage) -> Usage:
+    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                 total_tokens=u.prompt_tokens + u.completion_tokens,
+                 speculation=SpeculationUsage(num_drafts=u.num_drafts, draft_tokens=u.draft_tokens,
+                                              accepted_tokens=u.accepted_tokens))
+
+
+def finish_reason(complete: pb.Complete) -> str:
+    return FINISH_REASONS.get(complete.finish_reason, "stop")
