@@ -1,4 +1,5 @@
-"""What `splitspec-target` and `splitspec-draft` share: argument types, help, and `run_service`."""
+"""What `splitspec-target` and `splitspec-draft` share beyond the argument types: `run_service` and the
+threads and metrics flags."""
 
 from __future__ import annotations
 
@@ -6,54 +7,10 @@ import argparse
 import asyncio
 import importlib
 import logging
-import re
 import sys
 from collections.abc import Awaitable, Callable
 
-BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MB', '1.5gib' or a plain number of bytes."""
-    match = _SIZE.match(text)
-    unit = match and match[2].lower()
-    if match is None or unit not in BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
-    value = int(float(match[1]) * BYTE_UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows '(default: X)' unless X is None or the help already says what the default is."""
-
-    def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def add_log_level(group) -> None:
-    group.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+from splitspec.cli_args import LOG_FORMAT, positive_int
 
 
 def run_service(

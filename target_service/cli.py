@@ -6,18 +6,10 @@ import argparse
 import sys
 
 from common.attention_backends import BACKEND_CHOICES
-from common.cli import (
-    HelpFormatter,
-    add_log_level,
-    add_metrics_args,
-    add_threads_arg,
-    fraction,
-    parse_bytes,
-    positive_int,
-    run_service,
-)
+from common.cli import add_metrics_args, add_threads_arg, run_service
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES, ORDERS, CacheConfig
+from splitspec.cli_args import HelpFormatter, add_log_level, fraction, parse_bytes, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:

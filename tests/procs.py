@@ -200,3 +200,14 @@ def scrape_metrics(port: int) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
+
+
+METRIC_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created", "_info")
+
+
+def family_of(name: str) -> str:
+    """The metric family a sample name belongs to (its Prometheus suffix dropped)."""
+    for suffix in METRIC_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name

@@ -1,6 +1,7 @@
 """The import graph, read from the source with `ast`: no circles, and every arrow points down.
 
-Layers, lowest first: the contract (the generated stubs and splitspec/contract.py), common/,
+Layers, lowest first: the contract (the generated stubs, splitspec/contract.py and the shared
+argument types in splitspec/cli_args.py), common/,
 the two services, then the tools (the `splitspec` client and launcher, bench/, scripts/),
 then tests/. A module imports only from its own layer or lower ones; the services do not
 import each other; the client package stands alone on the contract (no common, no
@@ -17,7 +18,7 @@ from pathlib import Path
 from tests.procs import REPO_ROOT
 
 ROOTS = ("common", "target_service", "draft_service", "splitspec", "bench", "scripts", "tests")
-CONTRACT = ("splitspec.v1", "splitspec.contract")
+CONTRACT = ("splitspec.v1", "splitspec.contract", "splitspec.cli_args")
 SERVICES = ("target_service", "draft_service")
 
 

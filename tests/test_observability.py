@@ -17,7 +17,16 @@ import pytest
 import yaml
 
 from splitspec.v1 import generation_pb2 as pb
-from tests.procs import REPO_ROOT, TOKEN, Service, free_port, scrape_metrics, server_info, stream_tokens
+from tests.procs import (
+    REPO_ROOT,
+    TOKEN,
+    Service,
+    family_of,
+    free_port,
+    scrape_metrics,
+    server_info,
+    stream_tokens,
+)
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow
@@ -25,7 +34,6 @@ PROMETHEUS = shutil.which("prometheus")
 COMPOSE = shutil.which("docker-compose")
 BIN = Path(sys.executable).parent
 METRIC_NAME = re.compile(r"\b(splitspec_[a-z0-9_]+)")
-SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created", "_info")
 
 
 def _http_get(url: str, timeout: float = 10.0) -> str:
@@ -35,13 +43,6 @@ def _http_get(url: str, timeout: float = 10.0) -> str:
 
 def exported_families(metrics_text: str) -> set[str]:
     return {line.split()[2] for line in metrics_text.splitlines() if line.startswith("# TYPE ")}
-
-
-def family_of(name: str) -> str:
-    for suffix in SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
 
 
 @pytest.fixture(scope="module")

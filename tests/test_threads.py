@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from common.cli import positive_int
+from splitspec.cli_args import positive_int
 from common.kv_layout import CacheConfig
 from common.threads import drafter_threads
 from draft_service.drafters import DrafterConfig

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 
-from common.cli import LOG_FORMAT, HelpFormatter, add_log_level, parse_bytes
+from splitspec.cli_args import LOG_FORMAT, HelpFormatter, add_log_level, parse_bytes
 from splitspec.gateway.config import GatewayConfig
 
 
