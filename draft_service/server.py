@@ -45,7 +45,17 @@ from common.layout_proto import (
     orders_from_proto,
 )
 from common.metrics_http import metrics_host, start_metrics_server
-from common.pool_transport import Canary, TransportError, map_pool, read_canary, sync_for_handoff
+from common.pool_transport import (
+    MAX_UNCONFIRMED_EPOCHS,
+    Canary,
+    MappedExports,
+    TorchBuild,
+    TransportError,
+    ipc_build_mismatch,
+    map_pool,
+    read_canary,
+    sync_for_handoff,
+)
 from common.threads import apply_threads, drafter_threads
 from draft_service.drafters import (
     Drafter,
@@ -107,6 +117,7 @@ def target_info(facts: dpb.TargetFacts) -> TargetInfo:
         kv_dtype=kv_dtype_from_proto(facts.kv_dtype, default=""),
         device_type=facts.device_type or "cpu",
         max_model_len=facts.max_model_len,
+        torch_build=TorchBuild(facts.torch_version, facts.cuda_version),
     )
 
 
@@ -143,6 +154,7 @@ class DrafterHost:
         self.negotiated: _Negotiated | None = None
         self.max_model_len = 0
         self.metrics = metrics or DrafterMetrics()
+        self.mapped_exports = MappedExports()  # which exports it mapped, for the target's IPC accounting
 
     def require(self) -> Drafter:
         if self.drafter is None:
@@ -180,6 +192,8 @@ class DrafterHost:
             supported_orders=[order_to_proto(o) for o in drafter.supported_orders()],
             num_speculative_tokens=drafter.num_speculative_tokens,
             model_id=drafter.model_id,
+            torch_version=TorchBuild.here().torch,
+            cuda_version=TorchBuild.here().cuda,
         )
 
     @staticmethod
@@ -190,6 +204,8 @@ class DrafterHost:
             problems.append(mismatch("kv_dtype", target.kv_dtype, canonical_kv_dtype(wish, torch.float32)))
         if drafter.needs_pool and target.device_type != drafter.device.type:
             problems.append(mismatch("device_type", target.device_type, drafter.device.type))
+        if drafter.needs_pool and target.device_type == "cuda":  # before any CUDA IPC handle is sent
+            problems += filter(None, [ipc_build_mismatch(target.torch_build, TorchBuild.here())])
         raise_mismatches(problems)
 
     # -- Attach ----------------------------------------------------------------------------
@@ -218,19 +234,25 @@ class DrafterHost:
             raise InvalidArgumentError("layout.target_id", "is required")
         if self.negotiated is None or self.negotiated.target_id != layout.target_id:
             raise HandshakeError(f"Attach for target {layout.target_id!r} before its Negotiate; call Negotiate first")
+        if len(request.unconfirmed_epochs) > MAX_UNCONFIRMED_EPOCHS:
+            raise InvalidArgumentError("unconfirmed_epochs", f"lists more than {MAX_UNCONFIRMED_EPOCHS} epochs")
         drafter.unbind()  # any Attach starts a fresh epoch: old mappings and sequences go first
         self._check_layout(drafter, layout)
         pool = None
         if drafter.needs_pool:
             pool = map_pool(layout, request.pool)
+            self.mapped_exports.record(layout.target_id, layout.epoch)
             self._check_pool(drafter, pool, request)
         drafter.bind(pool, layout)
+        self.metrics.warmup_seconds.observe(drafter.warmup())  # kernels compiled now, not in a Propose
         self.max_model_len = self.negotiated.target.max_model_len
         mapped = layout.total_bytes if pool is not None else 0
         log.info("attached to target %s epoch %d: %s pages of %d tokens, %s %s, %.1f MiB mapped",
                  layout.target_id, layout.epoch, layout.num_pages, layout.page_size, layout.kv_dtype, layout.order,
                  mapped / MiB)
-        return dpb.AttachResponse(target_id=layout.target_id, epoch=layout.epoch, mapped_bytes=mapped)
+        mapped_epochs = self.mapped_exports.answer(layout.target_id, request.unconfirmed_epochs, layout.epoch)
+        return dpb.AttachResponse(target_id=layout.target_id, epoch=layout.epoch, mapped_bytes=mapped,
+                                  mapped_epochs=mapped_epochs)
 
     @staticmethod
     def _check_layout(drafter: Drafter, layout: KVLayout) -> None:

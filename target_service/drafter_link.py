@@ -18,6 +18,7 @@ import grpc
 from common.auth import auth_metadata
 from common.kv_layout import LayerSpec
 from common.layout_proto import drafter_kind_from_proto, layer_spec_from_proto, orders_from_proto
+from common.pool_transport import TorchBuild
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 
@@ -62,6 +63,12 @@ class DrafterFacts:
     supported_orders: tuple[str, ...]
     num_speculative_tokens: int
     model_id: str
+    torch_build: TorchBuild = TorchBuild("")  # the drafter's; CUDA IPC needs the target's
+
+    @property
+    def maps_pool(self) -> bool:
+        """The drafter keeps layers or reads hidden states in the pool (an n-gram drafter does not)."""
+        return bool(self.layers or self.target_layer_ids)
 
 
 @dataclass
@@ -134,10 +141,11 @@ class DrafterLink:
             supported_orders=orders_from_proto(reply.supported_orders),
             num_speculative_tokens=reply.num_speculative_tokens,
             model_id=reply.model_id,
+            torch_build=TorchBuild(reply.torch_version, reply.cuda_version),
         )
 
-    def attach(self, request: dpb.AttachRequest) -> None:
-        self._stub.Attach(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
+    def attach(self, request: dpb.AttachRequest) -> dpb.AttachResponse:
+        return self._stub.Attach(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
 
     def detach(self) -> None:
         """Best effort, on shutdown: the drafter forgets this target and unmaps its pool now

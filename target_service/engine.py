@@ -33,7 +33,14 @@ from common.kv_layout import (
 )
 from common.kv_pool import PagePool, remove_stale_shm_files
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
-from common.pool_transport import PoolExports, check_ipc_allocator, device_uuid, write_canary
+from common.pool_transport import (
+    PoolExports,
+    TorchBuild,
+    check_ipc_allocator,
+    device_uuid,
+    ipc_build_mismatch,
+    write_canary,
+)
 from common.sampling import SamplingSpec, make_generator
 from common.threads import apply_threads
 from common.weights import resolve_model_path
@@ -343,6 +350,7 @@ class EngineCore:
             kv_dtype=kv_dtype_to_proto(self.layout.kv_dtype), page_size=self.layout.page_size,
             max_num_seqs=self.config.max_num_seqs, max_tokens_per_step=self.config.max_num_batched_tokens,
             device_type=device.type, device_uuid=device_uuid(device), max_model_len=info.max_model_len,
+            torch_version=TorchBuild.here().torch, cuda_version=TorchBuild.here().cuda,
         )
         return dpb.NegotiateRequest(target_id=self.layout.target_id, target=facts,
                                     requested_order=self.config.cache.kv_layout)
@@ -352,6 +360,9 @@ class EngineCore:
         link = self.link
         try:
             facts = link.negotiate(self.negotiate_request())
+            if self.runner.device.type == "cuda" and facts.maps_pool:  # no CUDA IPC handle for another torch
+                if (problem := ipc_build_mismatch(TorchBuild.here(), facts.torch_build)) is not None:
+                    raise DrafterRejected(problem)
             layout = plan_layout(self.config, self.model, type(self.runner.backend), self.runner.device,
                                  self.model_info.max_model_len, facts, self.layout.target_id, self._epoch + 1)
             if not same_regions(layout, self.layout):
@@ -363,10 +374,13 @@ class EngineCore:
             self.pool.layout = dataclasses.replace(self.pool.layout, epoch=self._epoch)
             self.config.cache.resolve_layout(self.pool.layout)
             canary = write_canary(self.pool)
-            link.attach(dpb.AttachRequest(layout=kv_layout_to_proto(self.pool.layout),
-                                          pool=self.exports.export(self.pool),
-                                          canary=dpb.Canary(offset=canary.offset, value=canary.value)))
-            self.exports.attached(self.layout.target_id, self._epoch)  # older exports may go now
+            reply = link.attach(dpb.AttachRequest(
+                layout=kv_layout_to_proto(self.pool.layout), pool=self.exports.export(self.pool),
+                canary=dpb.Canary(offset=canary.offset, value=canary.value),
+                unconfirmed_epochs=self.exports.unconfirmed_epochs(self.layout.target_id, self._epoch)))
+            # older exports may go now (with torch's IPC reference of those the drafter never mapped)
+            self.exports.attached(self.layout.target_id, self._epoch, reply.mapped_epochs,
+                                  mapped=reply.mapped_bytes > 0)
         except Exception as exc:  # rejected, unreachable, or no common layout: serve without it
             rejected = isinstance(exc, (DrafterRejected, ValueError))
             self.metrics.handshakes.labels(result="rejected" if rejected else "error").inc()
