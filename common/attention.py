@@ -375,9 +375,10 @@ def select_backend(
 ) -> type:
     """The backend class for `--attention-backend` (auto | torch | flashinfer).
 
-    auto: FlashInfer on a CUDA device where `import flashinfer` works and its kernels fit the
-    model (head dims, model and KV dtypes, when given), else torch, with a warning saying why.
-    flashinfer: the same conditions, as a ValueError naming what to change."""
+    auto: FlashInfer on a CUDA device where `import flashinfer` works, its kernels fit the
+    model (head dims, model and KV dtypes, when given) and can be loaded or built here
+    (common/flashinfer_probe.py: prebuilt kernels, or nvcc and ninja), else torch, with one
+    warning saying why. flashinfer: the same conditions, as a ValueError naming what to change."""
     if name not in BACKEND_CHOICES:
         raise ValueError(f"attention backend must be one of {', '.join(BACKEND_CHOICES)}, got {name!r}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
@@ -386,9 +387,11 @@ def select_backend(
 
     if device.type != "cuda":
         raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
+    from common import flashinfer_probe
+
     reason = flashinfer_import_error() or FlashInferAttentionBackend.unsupported_reason(
         head_dims=tuple(head_dims), model_dtype=model_dtype, kv_dtype=kv_dtype
-    )
+    ) or flashinfer_probe.flashinfer_runnable_reason(tuple(head_dims), model_dtype, kv_dtype)
     if reason is None:
         return FlashInferAttentionBackend
     if name == "auto":
