@@ -295,7 +295,8 @@ def _fake_flashinfer_wheel(path: Path) -> None:
         f"{data}csrc/gemm.cu": b"// dropped\n",
         f"{data}cccl/cub/cub/cub.cuh": b'#include "util.cuh"\n',
         f"{data}cccl/cub/cub/util.cuh": b"// reached through cub.cuh\n",
-        f"{data}cccl/cub/cub/unused.cuh": b"// never included\n",
+        f"{data}cccl/cub/cub/unused.cuh": b"// never included, kept: cccl/ goes whole\n",
+        f"{data}cutlass/include/cutlass/unused.h": b"// never included\n",
         f"{data}cutlass/include/cutlass/cutlass.h": b"// only moe.cu wants it\n",
         f"{data}include/flashinfer/page.cuh": b"// include/ is kept whole\n",
         f"{data}include/flashinfer/other.cuh": b"// kept: include/ whole\n",
@@ -318,10 +319,15 @@ def test_the_slim_wheel_keeps_the_include_closure_and_a_valid_record(tmp_path):
         names = set(zf.namelist())
     data = "flashinfer/data/"
     for kept in ("csrc/page.cu", "csrc/helpers/page_impl.cuh", "csrc/tvm_ffi_utils.h", "cccl/cub/cub/cub.cuh",
-                 "cccl/cub/cub/util.cuh", "include/flashinfer/page.cuh", "include/flashinfer/other.cuh"):
+                 "cccl/cub/cub/util.cuh", "cccl/cub/cub/unused.cuh", "include/flashinfer/page.cuh",
+                 "include/flashinfer/other.cuh"):
         assert data + kept in names, kept
-    for dropped in ("csrc/fused_moe/moe.cu", "csrc/gemm.cu", "cccl/cub/cub/unused.cuh",
-                    "cutlass/include/cutlass/cutlass.h"):
+    with zipfile.ZipFile(source) as zf:  # the closure itself: through cub.cuh to util.cuh, not unused.cuh
+        inside = {n[len(data):] for n in zf.namelist() if n.startswith(data)}
+        closure = slim_flashinfer.include_closure(lambda path: zf.read(data + path), inside, ["csrc/batch_prefill.cu"])
+    assert closure == {"csrc/batch_prefill.cu", "cccl/cub/cub/cub.cuh", "cccl/cub/cub/util.cuh"}
+    for dropped in ("csrc/fused_moe/moe.cu", "csrc/gemm.cu", "cutlass/include/cutlass/cutlass.h",
+                    "cutlass/include/cutlass/unused.h"):
         assert data + dropped not in names, dropped
     assert "flashinfer/__init__.py" in names
     assert slim_flashinfer.verify_wheel(slim) == len(names)

@@ -10,17 +10,20 @@ from a few files that flashinfer-python 0.7.x's generators read or copy:
       and gen_customize_batch_decode_module (batch_decode*.{cu,jinja})
   flashinfer/jit/page.py               gen_page_module (page.cu, flashinfer_page_binding.cu)
 plus every header those include, found on the include path FlashInfer compiles with
-(flashinfer/jit/env.py and cpp_ext.get_system_includes). This keeps that closure (and,
-as cheap insurance, every top-level header and template of csrc, all of include/ and
-spdlog/), drops the rest of data/, and writes a valid wheel: same name and metadata, a
-RECORD with every file's sha256 and size.
+(flashinfer/jit/env.py and cpp_ext.get_system_includes). This keeps that closure, every
+top-level header and template of csrc, and all of include/, spdlog/ and cccl/ (see
+KEEP_WHOLE); it drops the rest of csrc/ and cutlass/ (the FA2 kernels include no CUTLASS),
+and writes a valid wheel: same name and metadata, a RECORD with every file's sha256 and
+size.
 
     python tests/gpu/slim_flashinfer.py flashinfer_python-0.7.2.post1-py3-none-any.whl OUT_DIR
 
-`--preprocess-check` (with the slim flashinfer importable, a CUDA toolkit and
-FLASHINFER_CUDA_ARCH_LIST set) runs FlashInfer's own compile commands for those modules
-with `-E` instead of `-c`: every #include must resolve in the slim copy. prepare.sh does
-this where nvcc exists, so a missing header shows up here rather than on the GPU.
+`--compile-check DIR` (with the slim flashinfer importable, a CUDA toolkit and
+FLASHINFER_CUDA_ARCH_LIST set) runs FlashInfer's own compile commands for those modules:
+every source preprocessed, two compiled whole (COMPILED). prepare.sh does this where nvcc
+exists, so a missing header shows up here rather than on the GPU. (Preprocessing alone
+is not enough: a vendored CCCL header missing from the copy is silently taken from the
+toolkit's own, other, CCCL version, and only the compile fails.)
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ ROOT_SOURCES = (
 )
 INCLUDE_DIRS = ("csrc", "include", "cutlass/include", "cutlass/tools/util/include", "spdlog/include",
                 "cccl/cub", "cccl/libcudacxx/include", "cccl/thrust")
-KEEP_WHOLE = ("include/", "spdlog/")
+# Kept whole. cccl/ above all: it comes first on nvcc's include path, ahead of the CUDA
+# toolkit's own CCCL, so a vendored header the textual closure misses (reached through a
+# macro or __has_include) would silently be taken from the toolkit's other CCCL version.
+KEEP_WHOLE = ("include/", "spdlog/", "cccl/")
 KEEP_CSRC_TOP = re.compile(r"^csrc/[^/]+\.(h|cuh|hpp|inc|jinja)$")
 INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.M)
 
@@ -130,9 +136,15 @@ def verify_wheel(path: Path) -> int:
     return len(entries)
 
 
-def preprocess_check() -> int:
-    """Preprocess every source of the modules splitspec loads with FlashInfer's own commands;
-    the number of sources that failed."""
+# Compiled whole by --compile-check (the rest only preprocessed): the page module's kernel
+# and one FA2 prefill kernel, which between them include every kind of header kept.
+COMPILED = ("page.cu", "batch_prefill_paged_kernel_mask_1.cu")
+
+
+def compile_check(out_dir: Path) -> int:
+    """Run FlashInfer's own compile commands for the modules splitspec loads against the
+    installed (slim) flashinfer: every source preprocessed (`-E`), COMPILED ones compiled
+    into `out_dir`. The number of sources that failed."""
     import shlex
     import subprocess
 
@@ -146,17 +158,23 @@ def preprocess_check() -> int:
             specs.append(modules._gen_batch_prefill_primary_module(
                 "fa2", torch.bfloat16, kv_dtype, torch.bfloat16, torch.int32, head_dim, head_dim, 0, False, False,
                 False))
-    failed = 0
+    failed, compiled = 0, set()
     for spec in specs:
         for entry in spec.get_compile_commands():
-            command = ["-E" if part == "-c" else part for part in shlex.split(entry["command"])]
-            command[command.index("-o") + 1] = "/dev/null"
+            name = Path(entry["file"]).name
+            command = shlex.split(entry["command"])
+            if name in COMPILED and name not in compiled:
+                compiled.add(name)
+                command[command.index("-o") + 1] = str(out_dir / f"{name}.o")
+            else:
+                command = ["-E" if part == "-c" else part for part in command]
+                command[command.index("-o") + 1] = "/dev/null"
             run = subprocess.run(command, capture_output=True, text=True, check=False)
             if run.returncode:
                 failed += 1
-                print(f"{spec.name}: {Path(entry['file']).name} does not preprocess:\n{run.stderr[-2000:]}",
-                      file=sys.stderr)
-    print(f"preprocessed the sources of {len(specs)} FlashInfer modules against the slim wheel: "
+                print(f"{spec.name}: {name} fails:\n{run.stderr[-2000:]}", file=sys.stderr)
+    print(f"FlashInfer's compile commands for {len(specs)} modules against the slim wheel "
+          f"({', '.join(sorted(compiled))} compiled, the rest preprocessed): "
           f"{'all fine' if not failed else f'{failed} failed'}")
     return failed
 
@@ -165,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("wheel", type=Path, nargs="?")
     p.add_argument("out_dir", type=Path, nargs="?")
-    p.add_argument("--preprocess-check", action="store_true", help="check the installed (slim) flashinfer instead")
+    p.add_argument("--compile-check", type=Path, metavar="TMP_DIR",
+                   help="check the installed (slim) flashinfer instead, compiling into TMP_DIR")
     args = p.parse_args(argv)
-    if args.preprocess_check:
-        return 1 if preprocess_check() else 0
+    if args.compile_check:
+        return 1 if compile_check(args.compile_check) else 0
     if args.wheel is None or args.out_dir is None:
         p.error("give the wheel and the output folder")
     slim = slim_wheel(args.wheel, args.out_dir)
