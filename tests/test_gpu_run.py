@@ -196,8 +196,8 @@ def test_the_jit_section_compiles_what_the_later_sections_load():
 
 def test_ninja_log_gives_seconds_per_module(tmp_path):
     log = tmp_path / ".ninja_log"
-    log.write_text("# ninja log v5\n0\t30000\t1\tpage/page.cuda.o\tab\n0\t20000\t1\tpage/binding.cuda.o\tcd\n"
-                   "31000\t40000\t1\tpage/page.so\tef\n5000\t95000\t1\tbatch_prefill_x/k0.cuda.o\t01\n")
+    log.write_text("# ninja log v5\n0\t30000\t1\t/c/page/page.cuda.o\tab\n0\t20000\t1\t/c/page/binding.cuda.o\tcd\n"
+                   "31000\t40000\t1\t/c/page/page.so\tef\n5000\t95000\t1\tbatch_prefill_x/k0.cuda.o\t01\n")
     seconds = script._ninja_seconds(script._ninja_entries(log))
     assert seconds == {"page": {"compile_cpu_s": 59.0, "wall_s": 40.0},
                        "batch_prefill_x": {"compile_cpu_s": 90.0, "wall_s": 90.0}}

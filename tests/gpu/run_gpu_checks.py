@@ -4,11 +4,11 @@
 Sections, in order (each its own verdict, its own time limit; the report's `ok` needs all):
   env          versions (python, torch, CUDA, flashinfer, grpcio, protobuf), nvcc, the device,
                allocator settings, FlashInfer's facts (common/flashinfer_probe.py)
-  jit          compiles every FlashInfer module the later sections load, once, up front,
-               with FlashInfer's own build (flashinfer.jit.core.build_jit_specs), for the
+  jit          compiles every FlashInfer module the later sections load, once, up front and
+               concurrently, as the services load them (JitSpec.build_and_load), for the
                GPU's architecture only (FLASHINFER_CUDA_ARCH_LIST / TORCH_CUDA_ARCH_LIST from
-               torch.cuda.get_device_capability: 9.0a on an H200); seconds per module from
-               ninja's log. The kernel family is pinned: FlashInfer's FA2 (KERNEL_FAMILY)
+               torch.cuda.get_device_capability: 9.0a on an H200); seconds per module, and
+               per file from ninja's log. The kernel family is pinned: FlashInfer's FA2
   ipc          CUDA IPC between two unrelated processes (tests/gpu/ipc_check.py): map, canary,
                a page the target wrote, a draft page the target reads, alive after the target
                let go, and re-attach cycles after which torch.cuda.mem_get_info shows the old
@@ -542,12 +542,16 @@ def jit_problems(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 
 
 def check_jit(args: argparse.Namespace) -> dict:
+    """Build every module the later sections load, concurrently, the way the services will
+    load them (`build_and_load`: ninja in each module's own folder, so the later loads find
+    ninja's log there and rebuild nothing); then load each again to show it is cached."""
     import torch
 
     require_cuda(args)
+    from concurrent.futures import ThreadPoolExecutor
+
     from flashinfer.jit import env as jit_env
     from flashinfer.jit.attention import modules
-    from flashinfer.jit.core import build_jit_specs
     from flashinfer.jit.page import gen_page_module
 
     from common.flashinfer_probe import KERNEL_FAMILY, needed_modules
@@ -562,24 +566,32 @@ def check_jit(args: argparse.Namespace) -> dict:
         if spec.name not in needed_modules((dim,), q_dtype, kv_dtype):
             raise RuntimeError(f"FlashInfer builds {spec.name}, which the probe does not expect")
         specs[spec.name] = spec
-    ninja_log = jit_env.FLASHINFER_JIT_DIR / ".ninja_log"
-    seen = _ninja_entries(ninja_log)
-    started = time.monotonic()
-    build_jit_specs(list(specs.values()), verbose=False)
-    compile_s = round(time.monotonic() - started, 2)
-    per_module = _ninja_seconds(_ninja_entries(ninja_log)[len(seen):])
-    loads = {}
-    for name, spec in specs.items():
+    # ninja's jobs shared out: every module at once would run cores x modules compilers
+    os.environ["MAX_JOBS"] = str(max(2, (os.cpu_count() or 2) // len(specs)))
+
+    def build(spec) -> float:
         begin = time.monotonic()
         spec.build_and_load()
-        loads[name] = round(time.monotonic() - begin, 3)
+        return round(time.monotonic() - begin, 2)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(specs)) as pool:
+        seconds = dict(zip(specs, pool.map(build, specs.values())))
+    compile_s = round(time.monotonic() - started, 2)
     result = {
         "arch_list": os.environ.get("FLASHINFER_CUDA_ARCH_LIST", ""), "kernel_family": KERNEL_FAMILY,
-        "jit_dir": str(jit_env.FLASHINFER_JIT_DIR), "compile_s": compile_s,
-        "modules": {name: {**per_module.get(name, {"compile_cpu_s": 0.0, "wall_s": 0.0}), "load_s": loads[name]}
-                    for name in specs},
+        "jit_dir": str(jit_env.FLASHINFER_JIT_DIR), "max_jobs_per_module": int(os.environ["MAX_JOBS"]),
+        "compile_s": compile_s, "modules": {},
     }
-    result["headline"] = f"{len(specs)} modules compiled in {compile_s} s for {result['arch_list'] or 'all archs'}"
+    for name, spec in specs.items():
+        files = _ninja_seconds(_ninja_entries(spec.build_dir / ".ninja_log")).get(name, {})
+        result["modules"][name] = {"build_and_load_s": seconds[name], **files, "reload_s": build(spec)}
+    slow_reload = [n for n, m in result["modules"].items() if m["reload_s"] > 5.0]
+    result["ok"] = not slow_reload
+    if slow_reload:
+        result["error"] = f"loading again rebuilt {', '.join(slow_reload)}: the services would compile again"
+    result["headline"] = (f"{len(specs)} modules built in {compile_s} s for {result['arch_list'] or 'all archs'} "
+                          f"({KERNEL_FAMILY})")
     return result
 
 
@@ -591,10 +603,10 @@ def _ninja_entries(path: Path) -> list[list[str]]:
 
 
 def _ninja_seconds(entries: list[list[str]]) -> dict[str, dict]:
-    """Per module (the output's first path part): compile seconds summed over its files, and wall span."""
+    """Per module (the output's folder): compile seconds summed over its files, and their wall span."""
     spans: dict[str, list[tuple[int, int]]] = {}
-    for start, end, _mtime, output, *_ in entries:
-        spans.setdefault(Path(output).parts[0], []).append((int(start), int(end)))
+    for start, end, _mtime, output, *_ in entries:  # outputs are <jit dir>/<module>/<file>
+        spans.setdefault(Path(output).parent.name, []).append((int(start), int(end)))
     return {name: {"compile_cpu_s": round(sum(e - s for s, e in ts) / 1000, 2),
                    "wall_s": round((max(e for _, e in ts) - min(s for s, _ in ts)) / 1000, 2)}
             for name, ts in spans.items()}
