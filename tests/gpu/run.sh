@@ -40,6 +40,7 @@ else
   echo "installed $(compgen -G "$WHEELS/*.whl" | wc -l) wheel(s) into $SITE in $((SECONDS - started)) s" >&2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$(dirname "$(command -v "$PY")"):$PATH"  # the interpreter's bin: FlashInfer runs `ninja` from PATH
 export PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False  # CUDA IPC shares plain cudaMalloc blocks only
 # what is left of the whole run's time, less 15 s for start-up and the last report
