@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 import common.flashinfer_backend as flashinfer_backend
+from common import flashinfer_probe
 from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import LayerSpec
@@ -61,9 +62,10 @@ def select_backend(
 ) -> type:
     """The backend class for `--attention-backend` (auto | torch | flashinfer).
 
-    auto: FlashInfer on a CUDA device where `import flashinfer` works and its kernels fit the
-    model (head dims, model and KV dtypes, when given), else torch, with a warning saying why.
-    flashinfer: the same conditions, as a ValueError naming what to change."""
+    auto: FlashInfer on a CUDA device where `import flashinfer` works, its kernels fit the
+    model (head dims, model and KV dtypes, when given) and can be loaded or built here
+    (common/flashinfer_probe.py: prebuilt kernels, or nvcc and ninja), else torch, with one
+    warning saying why. flashinfer: the same conditions, as a ValueError naming what to change."""
     check_backend_name(name)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend
@@ -72,7 +74,7 @@ def select_backend(
     flashinfer = flashinfer_backend.FlashInferAttentionBackend
     reason = flashinfer_backend.flashinfer_import_error() or flashinfer.unsupported_reason(
         head_dims=tuple(head_dims), model_dtype=model_dtype, kv_dtype=kv_dtype
-    )
+    ) or flashinfer_probe.flashinfer_runnable_reason(tuple(head_dims), model_dtype, kv_dtype)
     if reason is None:
         return flashinfer
     if name == "auto":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.kv_layout import LayerSpec
+from common.pool_transport import TorchBuild
 
 
 @dataclass(frozen=True)
@@ -16,3 +17,9 @@ class DrafterFacts:
     supported_orders: tuple[str, ...]
     num_speculative_tokens: int  # the drafter's K
     model_id: str
+    torch_build: TorchBuild = TorchBuild("")  # the drafter's; CUDA IPC needs the target's
+
+    @property
+    def maps_pool(self) -> bool:
+        """The drafter keeps layers or reads hidden states in the pool (an n-gram drafter does not)."""
+        return bool(self.layers or self.target_layer_ids)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from common.attention_metadata import AttentionMetadata
+from common.flashinfer_probe import KERNEL_FAMILY
 from common.kv_layout import KVLayout, LayerSpec
 from common.kv_quant import is_fp8_dtype, quantize
 
@@ -181,7 +182,7 @@ class FlashInferAttentionBackend:
         *,
         workspace_bytes: int = WORKSPACE_BYTES,
         kernels: Any = None,  # the `flashinfer` module, or a stand-in with the same API
-        kernel_backend: str = "auto",  # FlashInfer's own choice: auto | fa2 | fa3 | ...
+        kernel_backend: str = KERNEL_FAMILY,  # fa2, pinned: what flashinfer_probe checks and the GPU checks test
     ) -> None:
         self.layout = layout
         self.workspace_bytes = workspace_bytes

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from common.drafter_facts import DrafterFacts
 from common.kv_layout import ORDERS, KVLayout, LayerSpec, StagingSpec
+from common.pool_transport import TorchBuild
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import kv_layout_pb2 as kv_pb
 
@@ -74,6 +75,8 @@ def drafter_facts_to_proto(facts: DrafterFacts) -> dpb.NegotiateResponse:
         supported_orders=[order_to_proto(o) for o in facts.supported_orders],
         num_speculative_tokens=facts.num_speculative_tokens,
         model_id=facts.model_id,
+        torch_version=facts.torch_build.torch,
+        cuda_version=facts.torch_build.cuda,
     )
 
 
@@ -85,6 +88,7 @@ def drafter_facts_from_proto(msg: dpb.NegotiateResponse) -> DrafterFacts:
         supported_orders=orders_from_proto(msg.supported_orders),
         num_speculative_tokens=msg.num_speculative_tokens,
         model_id=msg.model_id,
+        torch_build=TorchBuild(msg.torch_version, msg.cuda_version),
     )
 
 

@@ -7,15 +7,22 @@ CUDA IPC, in order of what can go wrong:
 - allocator: `cudaIpcGetMemHandle` exports plain `cudaMalloc` blocks only, so the target's
   caching allocator must not use expandable segments or the cudaMallocAsync backend
   (`check_ipc_allocator`, run at start);
-- export: `storage._share_cuda_()` gives the block's handle, the storage's offset in it,
-  and torch's cross-process reference counter; all become `CudaIpcHandle` fields;
+- builds: the handle is torch's own format (`CUDACachingAllocator::shareIpcHandle` writes a
+  version byte, a type byte, then the 64-byte cudaIpcMemHandle_t; the version changes
+  between torch releases), so both services must run the same torch build: the handshake
+  compares them (`TorchBuild`) before any handle is sent;
+- export: every field `storage._share_cuda_()` returns travels unchanged in a
+  `CudaIpcHandle` (`handle_from_share`); nothing of ours parses the handle, except the one
+  type byte that marks an expandable segment, refused at export;
 - map: the drafter finds the device by UUID (indices differ under CUDA_VISIBLE_DEVICES)
-  and opens the handle with `_new_shared_cuda`; failures are explained to the operator
-  (`explain_ipc_failure`);
+  and hands the fields to torch's own `_new_shared_cuda` (`rebuild_args`); failures are
+  explained to the operator (`explain_ipc_failure`);
 - ordering: the two processes' streams are unordered, so the target synchronizes before
   each Propose and the drafter before answering (`sync_for_handoff`);
 - lifetime: the target keeps every pool it exported alive until the drafter has detached
-  from it (attached to a later epoch) or the target stops (`PoolExports`).
+  from it (attached to a later epoch) or the target stops (`PoolExports`), and returns
+  torch's IPC reference for exactly the exports the drafter never mapped
+  (`references_to_return`; the drafter reports what it mapped: `MappedExports`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +43,21 @@ from splitspec.v1 import drafter_pb2 as dpb
 log = logging.getLogger(__name__)
 
 CANARY_BYTES = 16
-CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # torch names its IPC reference-counter files /torch_<pid>_<random>_<n>
 _REF_COUNTER_PID = re.compile(rb"torch_(\d+)_")
+# What UntypedStorage._share_cuda_() returns, in its order (torch/csrc/StorageSharing.cpp,
+# THPStorage_shareCuda); UntypedStorage._new_shared_cuda takes the same eight, in the same
+# order (THPStorage_newSharedCuda; torch/multiprocessing/reductions.py passes them so).
+SHARE_CUDA_FIELDS = ("device_index", "handle", "storage_size", "storage_offset", "ref_counter_handle",
+                     "ref_counter_offset", "event_handle", "event_sync_required")
+# Bounds on what a (possibly crafted) handle may carry, checked before any CUDA call.
+MAX_HANDLE_BYTES = 4096
+MAX_REF_COUNTER_NAME_BYTES = 255  # a POSIX shm name
+# The drafter's unmapping decrements the int64 at this offset of the counter file, which
+# holds CUDA_IPC_REF_COUNTER_FILE_SIZE of them (torch/csrc/CudaIPCTypes.h).
+REF_COUNTER_SLOTS = 10000
+MAX_UNCONFIRMED_EPOCHS = 1024
 
 
 class TransportError(RuntimeError):
@@ -82,6 +100,33 @@ def sync_for_handoff(device: torch.device) -> None:
     processes' streams are otherwise unordered. A no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """The torch build a service runs: CUDA IPC handles only open under the same one.
+
+    torch versions its IPC handle (`SHAREABLE_HANDLE_VERSION` in CUDACachingAllocator.cpp)
+    and refuses one from a newer torch ("received sharable handle from a future version of
+    torch"); the handshake refuses a mismatch first, naming both builds."""
+
+    torch: str
+    cuda: str = ""  # torch.version.cuda; "" for a CPU-only build
+
+    @classmethod
+    def here(cls) -> TorchBuild:
+        return cls(torch.__version__, torch.version.cuda or "")
+
+    def __str__(self) -> str:
+        return f"torch {self.torch or '(not reported)'} (CUDA {self.cuda or 'none'})"
+
+
+def ipc_build_mismatch(target: TorchBuild, drafter: TorchBuild) -> str | None:
+    """Why the two builds cannot share a pool over CUDA IPC (None: they can)."""
+    if target == drafter:
+        return None
+    return (f"torch build: target {target}, drafter {drafter}; CUDA IPC handles are torch's own format, "
+            "which changes between releases: run both services on the same torch build")
 
 
 # ---------------------------------------------------------------------------------------
@@ -130,18 +175,51 @@ def export_pool(pool: PagePool) -> dpb.PoolHandle:
 def _export_cuda(pool: PagePool) -> dpb.CudaIpcHandle:
     check_ipc_allocator()
     sync_for_handoff(pool.device)  # the drafter must see the zeroed pool and the canary
-    (device_index, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = pool.storage._share_cuda_()
-    return dpb.CudaIpcHandle(
-        device_uuid=device_uuid(pool.device),
-        device_index=device_index,
-        handle=handle,
-        storage_size=size,
-        storage_offset=offset,
-        ref_counter_handle=ref_handle,
-        ref_counter_offset=ref_offset,
-        event_handle=event_handle or b"",
-        event_sync_required=bool(event_sync),
-    )
+    handle = handle_from_share(pool.storage._share_cuda_(), device_uuid(pool.device))
+    try:
+        refuse_expandable_segment(handle.handle)
+    except TransportError:
+        return_reference(handle)  # this export was counted for a drafter that will never map it
+        raise
+    return handle
+
+
+def handle_from_share(shared: tuple, uuid: str) -> dpb.CudaIpcHandle:
+    """`storage._share_cuda_()`'s eight fields, unchanged, plus the device's UUID."""
+    if len(shared) != len(SHARE_CUDA_FIELDS):
+        raise TransportError(f"torch's _share_cuda_() returned {len(shared)} fields, expected "
+                             f"{len(SHARE_CUDA_FIELDS)} ({', '.join(SHARE_CUDA_FIELDS)}); this torch build is "
+                             "not one splitspec knows")
+    fields = dict(zip(SHARE_CUDA_FIELDS, shared))
+    if fields["handle"] is None:
+        raise TransportError("the KV pool storage is empty: torch has no CUDA IPC handle for it")
+    return dpb.CudaIpcHandle(device_uuid=uuid, **fields)
+
+
+def refuse_expandable_segment(handle: bytes) -> None:
+    """Raise TransportError for the handle of an expandable segment.
+
+    The one byte of torch's handle we read: CUDACachingAllocator::shareIpcHandle writes
+    [version][type][payload] with type 'c' for a cudaMalloc block and 'e' for an expandable
+    segment. An 'e' payload is a list of POSIX file descriptors of cuMem allocations that
+    the drafter would have to pull out of the target with pidfd_getfd (ptrace rights over
+    the target), so it fails there, far from the setting that causes it. The allocator's
+    settings can change at run time (torch.cuda.memory._set_allocator_settings), so the
+    start-up check of the environment (`check_ipc_allocator`) cannot rule it out alone."""
+    if handle[1:2] == b"e":
+        raise TransportError(
+            "the KV pool was allocated in an expandable segment, which CUDA IPC cannot share with the drafter: "
+            "start the target without expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF) "
+            "and without enabling it at run time"
+        )
+
+
+def return_reference(h: dpb.CudaIpcHandle) -> None:
+    """Decrement torch's IPC reference counter of one export, as the drafter's unmapping would."""
+    try:
+        torch.UntypedStorage._release_ipc_counter_cuda(bytes(h.ref_counter_handle), int(h.ref_counter_offset))
+    except Exception as exc:  # noqa: BLE001 - best effort, as in torch itself
+        log.warning("could not return a CUDA IPC reference (%s): that pool stays allocated", exc)
 
 
 @dataclass(eq=False)
@@ -150,6 +228,26 @@ class _Export:
     target_id: str
     epoch: int
     handle: dpb.PoolHandle
+    mapped: bool = False  # the drafter mapped it (its Attach succeeded, or the drafter said so)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.handle.WhichOneof("transport") == "cuda_ipc"
+
+
+def references_to_return(older: list[_Export], reported_mapped: Collection[int]) -> list[_Export]:
+    """The exports whose CUDA IPC reference the target must return itself, once the drafter
+    has attached to a later epoch (so it maps none of `older` any more).
+
+    torch's protocol (torch/csrc/CudaIPCTypes.cpp, StorageSharing.cpp): each `_share_cuda_()`
+    puts a fresh counter at 1 for the consumer; the consumer's storage deleter decrements it
+    (an int64) when its mapping dies; the producer frees the memory once every counter of
+    the storage reads 0 — read as uint64, so a counter decremented twice (-1) reads
+    2**64 - 1 and pins the memory forever. So each export needs exactly one decrement: the
+    drafter's, when it mapped it (its Attach succeeded, or it lists the epoch in
+    `reported_mapped`), else ours. A drafter killed while mapping a pool never returns its
+    reference; as with torch.multiprocessing, that pool stays allocated."""
+    return [e for e in older if e.is_cuda and not e.mapped and e.epoch not in reported_mapped]
 
 
 class PoolExports:
@@ -161,10 +259,11 @@ class PoolExports:
     memory is never handed to another tensor under the drafter's feet (on CUDA the caching
     allocator would reuse the block at once).
 
-    `attached(target_id, epoch)` (after a successful Attach) releases every older export;
-    on CUDA it also returns the drafter's reference on torch's IPC counter for them, so
-    that a drafter that died without unmapping (SIGKILL) does not pin an old pool in
-    torch's limbo for the target's lifetime. `close()` (target stop) releases everything.
+    `attached(target_id, epoch, mapped_epochs)` (after a successful Attach) releases every
+    older export, returning torch's IPC reference for those the drafter never mapped
+    (`references_to_return`); `unconfirmed_epochs` lists the exports whose Attach the
+    target never saw succeed, for the drafter to say which of them it mapped. `close()`
+    (target stop) releases everything.
     """
 
     def __init__(self) -> None:
@@ -175,19 +274,31 @@ class PoolExports:
         self._exports.append(_Export(pool, pool.layout.target_id, pool.layout.epoch, handle))
         return handle
 
-    def attached(self, target_id: str, epoch: int) -> None:
-        """The drafter attached to (target_id, epoch): it has dropped every older mapping."""
+    def unconfirmed_epochs(self, target_id: str, before_epoch: int) -> list[int]:
+        """Epochs of the exports older than `before_epoch` not known to be mapped, oldest first."""
+        return [e.epoch for e in self._exports
+                if e.target_id == target_id and e.epoch < before_epoch and e.is_cuda and not e.mapped]
+
+    def attached(self, target_id: str, epoch: int, mapped_epochs: Collection[int] = (), *,
+                 mapped: bool = True) -> None:
+        """The drafter attached to (target_id, epoch) and has dropped every older mapping;
+        `mapped`: it mapped this export (an n-gram drafter maps none); `mapped_epochs`:
+        older epochs it says it had mapped."""
         current = [e for e in self._exports if (e.target_id, e.epoch) == (target_id, epoch)]
         if not current:
             raise ValueError(f"no pool was exported for target {target_id!r} epoch {epoch}")
+        for e in current:
+            e.mapped = mapped
         older = [e for e in self._exports if e.epoch < epoch or e.target_id != target_id]
         self._exports = [e for e in self._exports if all(e is not o for o in older)]
-        self._release(older, live_pools=[e.pool for e in self._exports], consumer_detached=True)
+        for e in references_to_return([e for e in older if e.target_id == target_id], set(mapped_epochs)):
+            return_reference(e.handle.cuda_ipc)
+        self._release(older, live_pools=[e.pool for e in self._exports])
 
     def close(self) -> None:
         """The target stops: let go of every exported pool."""
         exports, self._exports = self._exports, []
-        self._release(exports, live_pools=[], consumer_detached=False)
+        self._release(exports, live_pools=[])
 
     @property
     def live(self) -> list[tuple[str, int]]:
@@ -198,13 +309,9 @@ class PoolExports:
         return any(e.pool is pool for e in self._exports)
 
     @staticmethod
-    def _release(exports: list[_Export], live_pools: list[PagePool], consumer_detached: bool) -> None:
-        cuda_devices = set()
+    def _release(exports: list[_Export], live_pools: list[PagePool]) -> None:
+        cuda_devices = {e.pool.device for e in exports if e.is_cuda}
         for e in exports:
-            if e.handle.WhichOneof("transport") == "cuda_ipc":
-                cuda_devices.add(e.pool.device)
-                if consumer_detached:
-                    _return_consumer_reference(e.handle.cuda_ipc)
             if all(e.pool is not live for live in live_pools):
                 e.pool.close()  # unlinks a CPU pool's file once nothing exported it any more
         for device in cuda_devices:
@@ -212,18 +319,6 @@ class PoolExports:
             torch.cuda.ipc_collect()  # free blocks no process references any more
         if exports:
             log.info("released %d exported KV pool handle(s)", len(exports))
-
-
-def _return_consumer_reference(h: dpb.CudaIpcHandle) -> None:
-    """Drop the drafter's count on torch's IPC reference counter for one export.
-
-    The drafter decrements it itself when it unmaps; one that died never does. Decrementing
-    once more is harmless (a count at or below zero means "free"), and it is only done once
-    the drafter has attached to a later epoch, so it maps none of the old storage."""
-    try:
-        torch.UntypedStorage._release_ipc_counter_cuda(bytes(h.ref_counter_handle), int(h.ref_counter_offset))
-    except Exception as exc:  # noqa: BLE001 - best effort, as in torch itself
-        log.debug("could not release an IPC reference counter: %s", exc)
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,18 +344,61 @@ def map_pool(layout: KVLayout, handle: dpb.PoolHandle) -> PagePool:
 
 
 def check_cuda_handle(layout: KVLayout, h: dpb.CudaIpcHandle) -> None:
-    """The handle's fields, before any CUDA call: sizes and the pieces torch needs."""
+    """The handle's fields, before any CUDA call: present, bounded, and big enough for the layout.
+    torch's handle bytes themselves are opaque here (torch checks them when mapping)."""
     if not h.device_uuid:
         raise TransportError("the CUDA IPC handle names no device UUID (is the target older than the drafter?)")
-    if len(h.handle) != CUDA_IPC_HANDLE_BYTES:
-        raise TransportError(f"the CUDA IPC memory handle is {len(h.handle)} bytes, expected {CUDA_IPC_HANDLE_BYTES}")
-    if h.event_sync_required and len(h.event_handle) != CUDA_IPC_HANDLE_BYTES:
-        raise TransportError(f"the CUDA IPC event handle is {len(h.event_handle)} bytes, "
-                             f"expected {CUDA_IPC_HANDLE_BYTES}")
-    if not h.ref_counter_handle:
-        raise TransportError("the CUDA IPC handle has no reference-counter file name")
+    if not h.handle or len(h.handle) > MAX_HANDLE_BYTES:
+        raise TransportError(f"the CUDA IPC memory handle is {len(h.handle)} bytes; expected torch's handle "
+                             f"(1 to {MAX_HANDLE_BYTES} bytes)")
+    if len(h.event_handle) > MAX_HANDLE_BYTES or (h.event_sync_required and not h.event_handle):
+        raise TransportError(f"the CUDA IPC event handle is {len(h.event_handle)} bytes"
+                             + (" but the target asks to wait on it" if h.event_sync_required else ""))
+    if not h.ref_counter_handle or len(h.ref_counter_handle) > MAX_REF_COUNTER_NAME_BYTES:
+        raise TransportError(f"the CUDA IPC handle's reference-counter file name is {len(h.ref_counter_handle)} "
+                             f"bytes (1 to {MAX_REF_COUNTER_NAME_BYTES})")
+    if h.ref_counter_offset >= REF_COUNTER_SLOTS:
+        raise TransportError(f"the CUDA IPC reference-counter offset {h.ref_counter_offset} is past torch's "
+                             f"{REF_COUNTER_SLOTS} counters per file")
     if h.storage_size < layout.total_bytes:
         raise TransportError(f"the target's CUDA pool is {h.storage_size} bytes, the layout needs {layout.total_bytes}")
+
+
+def rebuild_args(h: dpb.CudaIpcHandle, device_index: int) -> tuple:
+    """The arguments of `UntypedStorage._new_shared_cuda`: `_share_cuda_()`'s fields as the
+    target's torch returned them, with this process's index of the target's device."""
+    return (int(device_index), bytes(h.handle), int(h.storage_size), int(h.storage_offset),
+            bytes(h.ref_counter_handle), int(h.ref_counter_offset), bytes(h.event_handle),
+            bool(h.event_sync_required))
+
+
+class MappedExports:
+    """The drafter's note of which exports of its target it mapped, to answer the target's
+    `unconfirmed_epochs` (an Attach reply the target never saw; a failure after mapping).
+    Bounded: it keeps only what the target can still ask about."""
+
+    def __init__(self, limit: int = MAX_UNCONFIRMED_EPOCHS) -> None:
+        self.target_id = ""
+        self._epochs: set[int] = set()
+        self._limit = limit
+
+    def record(self, target_id: str, epoch: int) -> None:
+        if target_id != self.target_id:
+            self.target_id, self._epochs = target_id, set()
+        self._epochs.add(epoch)
+        if len(self._epochs) > self._limit:
+            self._epochs.discard(min(self._epochs))
+
+    def answer(self, target_id: str, asked: Collection[int], current_epoch: int) -> list[int]:
+        """Those of `asked` it mapped; then it forgets every epoch but `asked` and the current."""
+        if len(asked) > self._limit:
+            raise ValueError(f"unconfirmed_epochs lists {len(asked)} epochs, at most {self._limit}")
+        if target_id != self.target_id:
+            return []
+        asked = set(asked)
+        mapped = sorted(self._epochs & asked)
+        self._epochs &= asked | {current_epoch}
+        return mapped
 
 
 def exported_by_this_process(h: dpb.CudaIpcHandle) -> bool:
@@ -316,11 +454,7 @@ def _map_cuda(layout: KVLayout, h: dpb.CudaIpcHandle) -> PagePool:
                              "memory; run the drafter as its own process (splitspec-draft)")
     device = _find_device_by_uuid(h.device_uuid)
     try:
-        storage = torch.UntypedStorage._new_shared_cuda(
-            device.index, bytes(h.handle), int(h.storage_size), int(h.storage_offset),
-            bytes(h.ref_counter_handle), int(h.ref_counter_offset), bytes(h.event_handle),
-            bool(h.event_sync_required),
-        )
+        storage = torch.UntypedStorage._new_shared_cuda(*rebuild_args(h, device.index))
     except RuntimeError as exc:
         raise TransportError(explain_ipc_failure(str(exc), h.device_uuid)) from exc
     if storage.nbytes() < layout.total_bytes:

@@ -12,7 +12,7 @@ from common.layout_proto import (
     order_from_proto,
     orders_from_proto,
 )
-from common.pool_transport import Canary
+from common.pool_transport import MAX_UNCONFIRMED_EPOCHS, Canary, TorchBuild
 from draft_service.drafters import TargetInfo, Update
 from draft_service.host import (
     AttachArgs,
@@ -37,6 +37,7 @@ def target_info(facts: dpb.TargetFacts) -> TargetInfo:
         kv_dtype=kv_dtype_from_proto(facts.kv_dtype, default=""),
         device_type=facts.device_type or "cpu",
         max_model_len=facts.max_model_len,
+        torch_build=TorchBuild(facts.torch_version, facts.cuda_version),
     )
 
 
@@ -55,7 +56,10 @@ def attach_args(request: dpb.AttachRequest) -> AttachArgs:
         layout = kv_layout_from_proto(request.layout)
     except ValueError as exc:
         raise InvalidArgumentError("layout", str(exc)) from exc
-    return AttachArgs(layout, request.pool, Canary(request.canary.offset, request.canary.value))
+    if len(request.unconfirmed_epochs) > MAX_UNCONFIRMED_EPOCHS:
+        raise InvalidArgumentError("unconfirmed_epochs", f"lists more than {MAX_UNCONFIRMED_EPOCHS} epochs")
+    return AttachArgs(layout, request.pool, Canary(request.canary.offset, request.canary.value),
+                      tuple(request.unconfirmed_epochs))
 
 
 def update(msg: dpb.SequenceUpdate) -> Update:
@@ -87,7 +91,8 @@ def negotiate_response(facts: DrafterFacts) -> dpb.NegotiateResponse:
 
 
 def attach_response(reply: AttachReply) -> dpb.AttachResponse:
-    return dpb.AttachResponse(target_id=reply.target_id, epoch=reply.epoch, mapped_bytes=reply.mapped_bytes)
+    return dpb.AttachResponse(target_id=reply.target_id, epoch=reply.epoch, mapped_bytes=reply.mapped_bytes,
+                              mapped_epochs=list(reply.mapped_epochs))
 
 
 def propose_response(drafts: dict[int, list[int]]) -> dpb.ProposeResponse:

@@ -18,7 +18,15 @@ import torch
 
 from common.drafter_facts import DrafterFacts
 from common.kv_layout import KVLayout, LayerSpec, LayoutNotResolvedError, canonical_kv_dtype, resolve_order
-from common.pool_transport import Canary, map_pool, read_canary, sync_for_handoff
+from common.pool_transport import (
+    Canary,
+    MappedExports,
+    TorchBuild,
+    ipc_build_mismatch,
+    map_pool,
+    read_canary,
+    sync_for_handoff,
+)
 from draft_service.drafters import Drafter, TargetInfo, Update
 from draft_service.drafters.base import mismatch, raise_mismatches
 from draft_service.metrics import DrafterMetrics
@@ -61,6 +69,7 @@ class AttachArgs:
     layout: KVLayout
     pool_handle: object  # splitspec.v1.PoolHandle, opened by common.pool_transport.map_pool
     canary: Canary
+    unconfirmed_epochs: tuple[int, ...] = ()  # the target's exports it is unsure the drafter mapped
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class AttachReply:
     target_id: str
     epoch: int
     mapped_bytes: int
+    mapped_epochs: tuple[int, ...] = ()  # of the unconfirmed epochs, those this drafter mapped
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,7 @@ class DrafterHost:
         self.negotiated: _Negotiated | None = None
         self.max_model_len = 0
         self.metrics = metrics or DrafterMetrics()
+        self.mapped_exports = MappedExports()  # which exports it mapped, for the target's IPC accounting
 
     def serve(self, drafter: Drafter) -> None:
         """The draft model is loaded: from now on the host answers."""
@@ -140,7 +151,8 @@ class DrafterHost:
         return DrafterFacts(kind=drafter.kind, layers=tuple(drafter.layer_specs()),
                             target_layer_ids=tuple(drafter.target_layer_ids()),
                             supported_orders=tuple(drafter.supported_orders()),
-                            num_speculative_tokens=drafter.num_speculative_tokens, model_id=drafter.model_id)
+                            num_speculative_tokens=drafter.num_speculative_tokens, model_id=drafter.model_id,
+                            torch_build=TorchBuild.here())
 
     @staticmethod
     def _check_cache_wishes(drafter: Drafter, target: TargetInfo) -> None:
@@ -150,6 +162,8 @@ class DrafterHost:
             problems.append(mismatch("kv_dtype", target.kv_dtype, canonical_kv_dtype(wish, torch.float32)))
         if drafter.needs_pool and target.device_type != drafter.device.type:
             problems.append(mismatch("device_type", target.device_type, drafter.device.type))
+        if drafter.needs_pool and target.device_type == "cuda":  # before any CUDA IPC handle is sent
+            problems += filter(None, [ipc_build_mismatch(target.torch_build, TorchBuild.here())])
         raise_mismatches(problems)
 
     # -- Attach ----------------------------------------------------------------------------
@@ -178,8 +192,10 @@ class DrafterHost:
         pool = None
         if drafter.needs_pool:
             pool = map_pool(layout, args.pool_handle)
+            self.mapped_exports.record(layout.target_id, layout.epoch)
             self._check_pool(drafter, pool, args.canary)
         drafter.bind(pool, layout)
+        self.metrics.warmup_seconds.observe(drafter.warmup())  # kernels compiled now, not in a Propose
         self.max_model_len = self.negotiated.target.max_model_len
         mapped = layout.total_bytes if pool is not None else 0
         log.info("attached to target %s epoch %d: %s pages of %d tokens, %s %s, %.1f MiB mapped",
@@ -189,7 +205,9 @@ class DrafterHost:
         self.metrics.set_state("attached")
         self.metrics.mapped_bytes.set(mapped)
         self.metrics.epoch.set(layout.epoch)
-        return AttachReply(target_id=layout.target_id, epoch=layout.epoch, mapped_bytes=mapped)
+        mapped_epochs = self.mapped_exports.answer(layout.target_id, args.unconfirmed_epochs, layout.epoch)
+        return AttachReply(target_id=layout.target_id, epoch=layout.epoch, mapped_bytes=mapped,
+                           mapped_epochs=tuple(mapped_epochs))
 
     @staticmethod
     def _check_layout(drafter: Drafter, layout: KVLayout) -> None:

@@ -9,7 +9,7 @@ held-out modules (`HELD_OUT`) kept out of training for scripts/eval_demo.py. See
 fixed and step counts are fixed (not time-based), so a rerun with the same interpreter
 and torch reproduces the same models up to floating-point nondeterminism.
 
-Output, in the real Hugging Face formats (float32 safetensors, ≤ 40 MB in all):
+Output, in the real Hugging Face formats (safetensors stored in bfloat16, scripts/demo_bf16.py; ≤ 40 MB):
 - `tokenizer/`   byte-level BPE (`tokenizers`), EOS `<|endoftext|>`, mask `<|mask|>`
                  (reserved for DFlash), chat tokens; `AutoTokenizer` loads it.
 - `target/`      `Qwen3ForCausalLM` + tokenizer files (`AutoModelForCausalLM` loads it).
@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from demo_training import (  # the sibling module: scripts/ is on the path when this runs
+from demo_bf16 import store_bf16  # the sibling modules: scripts/ is on the path when this runs
+from demo_training import (
     DEFAULT_OUT,
     FULL,
     HELD_OUT,
@@ -334,6 +335,7 @@ def run(sizes: Sizes, out: Path) -> dict:
     train_draft_model(stream, data, tokenizer, sizes, tmp / "draft_model", history)
     t = stage_done("draft_model", t)
 
+    store_bf16(tmp)  # trained in float32; stored in half the bytes (every checkout carries them)
     history["total_seconds"] = round(time.monotonic() - started, 1)
     history["megabytes"] = round(dir_megabytes(tmp), 2)
     (tmp / "training.json").write_text(json.dumps(history, indent=2) + "\n")

@@ -122,8 +122,8 @@ class DrafterLink:
             raise
         return drafter_facts_from_proto(reply)
 
-    def attach(self, request: dpb.AttachRequest) -> None:
-        self._stub.Attach(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
+    def attach(self, request: dpb.AttachRequest) -> dpb.AttachResponse:
+        return self._stub.Attach(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
 
     def detach(self, target_id: str, epoch: int) -> None:
         """Best effort, on shutdown: the drafter forgets this target and unmaps its pool now

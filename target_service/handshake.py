@@ -25,7 +25,7 @@ import torch
 from common.kv_layout import KVLayout
 from common.kv_pool import PagePool
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
-from common.pool_transport import PoolExports, device_uuid, write_canary
+from common.pool_transport import PoolExports, TorchBuild, device_uuid, ipc_build_mismatch, write_canary
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import ModelInfo
 from target_service.config import EngineConfig
@@ -46,6 +46,7 @@ def negotiate_request(config: EngineConfig, model, backend_cls: type, device: to
         kv_dtype=kv_dtype_to_proto(layout.kv_dtype), page_size=layout.page_size,
         max_num_seqs=config.max_num_seqs, max_tokens_per_step=config.max_num_batched_tokens,
         device_type=device.type, device_uuid=device_uuid(device), max_model_len=info.max_model_len,
+        torch_version=TorchBuild.here().torch, cuda_version=TorchBuild.here().cuda,
     )
     return dpb.NegotiateRequest(target_id=layout.target_id, target=facts, requested_order=config.cache.kv_layout)
 
@@ -77,6 +78,9 @@ class SharedPool:
         link, replanned = self.link, False
         try:
             facts = link.negotiate(self.negotiate_request)
+            if self.planner.device.type == "cuda" and facts.maps_pool:  # no CUDA IPC handle for another torch
+                if (problem := ipc_build_mismatch(TorchBuild.here(), facts.torch_build)) is not None:
+                    raise DrafterRejected(problem)
             layout = self.planner.plan(facts, self.layout.target_id, self.layout.epoch + 1)
             if not same_regions(layout, self.layout):
                 if not may_replan:
@@ -101,10 +105,13 @@ class SharedPool:
         """A new epoch of the pool's layout, sent with the pool's handle and a canary."""
         self.pool.layout = dataclasses.replace(self.pool.layout, epoch=epoch)
         canary = write_canary(self.pool)
-        self.link.attach(dpb.AttachRequest(layout=kv_layout_to_proto(self.layout),
-                                           pool=self.exports.export(self.pool),
-                                           canary=dpb.Canary(offset=canary.offset, value=canary.value)))
-        self.exports.attached(self.layout.target_id, epoch)  # older exports may go now
+        target_id = self.layout.target_id
+        reply = self.link.attach(dpb.AttachRequest(
+            layout=kv_layout_to_proto(self.layout), pool=self.exports.export(self.pool),
+            canary=dpb.Canary(offset=canary.offset, value=canary.value),
+            unconfirmed_epochs=self.exports.unconfirmed_epochs(target_id, epoch)))
+        # older exports may go now (with torch's IPC reference of those the drafter never mapped)
+        self.exports.attached(target_id, epoch, reply.mapped_epochs, mapped=reply.mapped_bytes > 0)
 
     def describe_drafter(self) -> dict:
         return self.link.describe(self.layout.epoch) if self.link is not None else dict(NO_DRAFTER)

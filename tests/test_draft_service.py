@@ -32,7 +32,7 @@ from draft_service.drafters.ngram import ngram_lookup
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
-from tests.procs import TOKEN, Service, pool_files
+from tests.procs import TOKEN, Service, free_port, pool_files, scrape_metrics
 from tests.tiny_models import PROMPTS, make_qwen3, qwen3_config
 
 PAGE_SIZE = 4
@@ -170,7 +170,8 @@ class FakeTarget:
         self.negotiated = self.stub.Negotiate(request, metadata=self.metadata, timeout=RPC_TIMEOUT)
         return self.negotiated
 
-    def attach(self, epoch: int, order: str = "NHD", bad_canary: bool = False) -> dpb.AttachResponse:
+    def attach(self, epoch: int, order: str = "NHD", bad_canary: bool = False,
+               unconfirmed: tuple[int, ...] = ()) -> dpb.AttachResponse:
         draft_layers = [layer_spec_from_proto(spec) for spec in self.negotiated.layers]
         target_layers = [LayerSpec("target", i, 2, 16) for i in range(2)]
         staging = None
@@ -184,7 +185,8 @@ class FakeTarget:
         canary = write_canary(self.pool)
         value = bytes(b ^ 0xFF for b in canary.value) if bad_canary else canary.value
         request = dpb.AttachRequest(layout=kv_layout_to_proto(layout), pool=export_pool(self.pool),
-                                    canary=dpb.Canary(offset=canary.offset, value=value))
+                                    canary=dpb.Canary(offset=canary.offset, value=value),
+                                    unconfirmed_epochs=unconfirmed)
         return self.stub.Attach(request, metadata=self.metadata, timeout=RPC_TIMEOUT)
 
     def cover(self, seq: Seq, num_tokens: int) -> list[int]:
@@ -329,6 +331,62 @@ def test_incompatible_targets_are_failed_precondition_naming_both_values(target_
 
     error = rpc_error(lambda: target_for("draft_model").negotiate(supported_orders=[kv_pb.PAGE_ORDER_UNSPECIFIED]))
     assert error.code() == FAILED_PRECONDITION and "order" in error.details()
+
+
+def test_a_cuda_target_on_another_torch_build_is_refused_before_any_handle(target_for):
+    """CUDA IPC handles are torch's own format: Negotiate refuses a different build, naming both."""
+    fake = target_for("dflash")
+    error = rpc_error(lambda: fake.negotiate(device_type="cuda", torch_version="2.11.0+cu130", cuda_version="13.0"))
+    assert error.code() == FAILED_PRECONDITION
+    here = f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})"
+    assert f"torch build: target torch 2.11.0+cu130 (CUDA 13.0), drafter {here}" in error.details()
+    reply = fake.negotiate()  # a CPU target shares a file, whatever its torch
+    assert (reply.torch_version, reply.cuda_version) == (torch.__version__, torch.version.cuda or "")
+    # an n-gram drafter maps no pool: any build will do
+    target_for("ngram").negotiate(device_type="cuda", torch_version="2.11.0+cu130", cuda_version="13.0")
+
+
+def test_attach_says_which_unconfirmed_exports_it_mapped(target_for):
+    fake = target_for("draft_model")
+    fake.negotiate()
+    error = rpc_error(lambda: fake.attach(epoch=1, bad_canary=True))  # mapped, then refused
+    assert error.code() == FAILED_PRECONDITION
+    answer = fake.attach(epoch=2, unconfirmed=(1, 7))  # 7: an Attach that never reached it
+    assert list(answer.mapped_epochs) == [1]
+    error = rpc_error(lambda: fake.attach(epoch=3, unconfirmed=tuple(range(1025))))
+    assert error.code() == INVALID_ARGUMENT and "unconfirmed_epochs" in error.details()
+    assert len(fake.propose(2, [fake.update(Seq(1), [5, 6, 7, 8], 9)])[1]) == K  # epoch 2 still served
+    assert list(fake.attach(epoch=4, unconfirmed=(1, 3)).mapped_epochs) == [1]
+
+
+def test_attach_warms_the_attention_backend_on_scratch_pages_before_answering(checkpoints, tmp_path):
+    """The first Propose must not pay for kernel compiles (FlashInfer JITs for minutes): the
+    drafter runs its attention once at Attach, outside the target's pages."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    port = free_port()
+    proc = start_drafter("dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target),
+                                    "--metrics-port", str(port)], tmp_path / "dflash.log", token_file)
+    fake = None
+    try:
+        fake = FakeTarget(proc.wait_serving(timeout=120), tmp_path, checkpoints)
+        assert scrape_metrics(port)["splitspec_draft_attention_warmup_seconds_count"] == 0
+        fake.negotiate()
+        fake.attach(epoch=1)
+        assert scrape_metrics(port)["splitspec_draft_attention_warmup_seconds_count"] == 1, proc.log()
+        assert proc.log().index("warmed the torch attention backend") < proc.log().index("attached to target")
+        draft_regions = [fake.pool.region(s) for s in fake.pool.layout.layers if s.owner == "draft"]
+        assert draft_regions and all(not r.any() for r in draft_regions), "the warm-up wrote into the pool"
+        seq = Seq(1)
+        staging = fake.pool.staging()
+        staging[:4].copy_(torch.randn(4, staging.shape[1]))
+        assert len(fake.propose(1, [fake.update(seq, [5, 6, 7, 8], 9)])[1]) == K
+        assert scrape_metrics(port)["splitspec_draft_attention_warmup_seconds_count"] == 1  # once per Attach
+    finally:
+        if fake is not None:
+            fake.close()
+        proc.stop(timeout=20)
 
 
 def test_wrong_canary_and_stale_epoch_are_failed_precondition(target_for):

@@ -14,6 +14,8 @@ Token positions of a `DraftSequence` with n = len(token_ids):
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +23,13 @@ import torch
 from common.attention_backends import select_backend
 from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
+from common.pool_transport import TorchBuild, sync_for_handoff
 
 KINDS = ("dflash", "draft_model", "ngram")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 8
+WARMUP_CONTEXT = 3  # context tokens of the scratch sequence a warm-up drafts for
+
+log = logging.getLogger(__name__)
 
 
 def check_num_speculative_tokens(k: int, limit: int | None = None) -> None:
@@ -50,6 +56,7 @@ class TargetInfo:
     kv_dtype: str = ""  # a key of common.kv_layout.KV_DTYPES, "" when unspecified
     device_type: str = "cpu"
     max_model_len: int = 0
+    torch_build: TorchBuild = TorchBuild("")  # what the target runs; CUDA IPC needs the drafter's
 
 
 def mismatch(name: str, target, drafter) -> str:
@@ -192,6 +199,11 @@ class Drafter:
     def _unbind(self) -> None:
         pass
 
+    def warmup(self) -> float:
+        """Pay the one-time costs of drafting (kernel compiles) now; the seconds it took.
+        The server calls it at Attach, after `bind`. Nothing to warm by default."""
+        return 0.0
+
     # -- sequences --------------------------------------------------------------------------
 
     def update(self, update: Update) -> DraftSequence | None:
@@ -266,6 +278,34 @@ class PooledDrafter(Drafter):
     def _unbind(self) -> None:
         self._kv_caches = {}
         self._backend = None
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Run every attention kernel a Propose uses, once, on scratch pages of the bound
+        layout's format outside the pool (the target's pages are not touched), so their
+        one-time costs — FlashInfer compiles a kernel on its first use, for minutes — are
+        paid at Attach rather than inside the first Propose (a 2 s deadline, on the event
+        loop). The seconds it took."""
+        started = time.monotonic()
+        layout = self.layout  # LayoutNotResolvedError before bind
+        tokens = WARMUP_CONTEXT + self.num_speculative_tokens + self.extra_kv_slots + 1
+        num_pages = -(-tokens // layout.page_size)
+        caches = {
+            spec.index: torch.zeros((num_pages, *layout.region_shape(spec)[1:]), dtype=layout.torch_dtype,
+                                    device=self.device)  # [scratch pages, 2, <page shape>]
+            for spec in (layout.layer("draft", s.index) for s in self.layer_specs())
+        }
+        self._warmup(caches, list(range(num_pages)))
+        sync_for_handoff(self.device)
+        seconds = time.monotonic() - started
+        log.info("warmed the %s attention backend in %.2f s (scratch pages, %s, page %d, %s)",
+                 self._backend.name, seconds, layout.kv_dtype, layout.page_size, layout.order)
+        return seconds
+
+    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
+        """One scratch sequence of WARMUP_CONTEXT tokens in `page_table`, through every
+        kind of attention step the drafter runs."""
+        raise NotImplementedError
 
     def _draft_counts(self, items: list[ProposeItem]) -> list[tuple[DraftSequence, int]]:
         """(sequence, k) for the items that want drafts, k cut so that every KV slot the

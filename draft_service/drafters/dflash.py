@@ -23,6 +23,7 @@ from common.qwen3 import Qwen3ForCausalLM
 from common.weights import load_config, resolve_model_path, safetensors_files
 from draft_service.dflash_model import DFlashDraftModel, TargetHeads
 from draft_service.drafters.base import (
+    WARMUP_CONTEXT,
     DraftSequence,
     PooledDrafter,
     ProposeItem,
@@ -157,6 +158,17 @@ class DFlashDrafter(PooledDrafter):
             for seq, tokens in zip(seqs, proposal.token_ids.tolist()):
                 drafts[seq.seq_id] = tokens
         return drafts
+
+    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
+        """The context write and one block of K drafts (DFlash's non-causal attention)."""
+        ctx = WARMUP_CONTEXT
+        meta = AttentionMetadata.build(query_lens=[ctx], seq_lens=[ctx], page_tables=[page_table],
+                                       page_size=self.layout.page_size, device=self.device)
+        features = torch.zeros(ctx, self.feature_width, dtype=self.model.dtype, device=self.device)  # [ctx, width]
+        positions = torch.arange(ctx, device=self.device)  # [ctx]
+        self.model.write_context(features, positions, meta, kv_caches, self._backend)
+        last = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
+        self.model.propose(last, [ctx], [page_table], kv_caches, self._backend, num_tokens=self.num_speculative_tokens)
 
     def _write_context(self, pending: list[tuple[DraftSequence, torch.Tensor]]) -> None:
         """Context K/V of the rows each sequence just received: positions num_context ..; batched."""

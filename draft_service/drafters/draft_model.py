@@ -18,6 +18,7 @@ from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from draft_service.drafters.base import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
+    WARMUP_CONTEXT,
     DraftSequence,
     PooledDrafter,
     ProposeItem,
@@ -83,12 +84,20 @@ class DraftModelDrafter(PooledDrafter):
         ids = [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]]
         positions = [p for seq, s in zip(seqs, starts) for p in range(s, seq.num_tokens)]
         query_lens = [seq.num_tokens - s for seq, s in zip(seqs, starts)]
-        return self._forward(ids, positions, query_lens, [seq.num_tokens for seq in seqs], seqs)
+        return self._forward(ids, positions, query_lens, [seq.num_tokens for seq in seqs],
+                             [seq.page_table for seq in seqs])
 
     def _decode(self, seqs: list[DraftSequence], tokens: list[int], step: int) -> list[int]:
         """Feed draft `step` (at last_pos + step) of each sequence; the next greedy token."""
         positions = [seq.last_position + step for seq in seqs]
-        return self._forward(tokens, positions, [1] * len(seqs), [p + 1 for p in positions], seqs)
+        return self._forward(tokens, positions, [1] * len(seqs), [p + 1 for p in positions],
+                             [seq.page_table for seq in seqs])
+
+    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
+        """A prefill of the scratch context, then one decode step after it."""
+        ctx = WARMUP_CONTEXT
+        self._forward([0] * ctx, list(range(ctx)), [ctx], [ctx], [page_table], kv_caches)
+        self._forward([0], [ctx], [1], [ctx + 1], [page_table], kv_caches)
 
     def _forward(
         self,
@@ -96,18 +105,20 @@ class DraftModelDrafter(PooledDrafter):
         positions: list[int],
         query_lens: list[int],
         seq_lens: list[int],
-        seqs: list[DraftSequence],
+        page_tables: list[list[int]],
+        kv_caches: dict[int, torch.Tensor] | None = None,  # default: the pool's draft layers
     ) -> list[int]:
         meta = AttentionMetadata.build(
             query_lens=query_lens,
             seq_lens=seq_lens,
-            page_tables=[seq.page_table for seq in seqs],
+            page_tables=page_tables,
             page_size=self.layout.page_size,
             device=self.device,
         )
         self._backend.plan(meta)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden, _ = self.model(input_ids, pos, meta, self._kv_caches, self._backend)  # [T, hidden]
+        caches = self._kv_caches if kv_caches is None else kv_caches
+        hidden, _ = self.model(input_ids, pos, meta, caches, self._backend)  # [T, hidden]
         last_rows = meta.query_start_loc[1:].long() - 1  # [B]
         return self.model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()  # [B]

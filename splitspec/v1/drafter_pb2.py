@@ -25,45 +25,45 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import kv_layout_pb2 as splitspec_dot_v1_dot_kv__layout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/drafter.proto\x12\x0csplitspec.v1\x1a\x1csplitspec/v1/kv_layout.proto\"\x8a\x03\n\x0bTargetFacts\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x31\n\x10supported_orders\x18\x06 \x03(\x0e\x32\x17.splitspec.v1.PageOrder\x12\x30\n\x0fpreferred_order\x18\x07 \x01(\x0e\x32\x17.splitspec.v1.PageOrder\x12\'\n\x08kv_dtype\x18\x08 \x01(\x0e\x32\x15.splitspec.v1.KVDtype\x12\x11\n\tpage_size\x18\t \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1b\n\x13max_tokens_per_step\x18\x0b \x01(\r\x12\x13\n\x0b\x64\x65vice_type\x18\x0c \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\"i\n\x10NegotiateRequest\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12)\n\x06target\x18\x02 \x01(\x0b\x32\x19.splitspec.v1.TargetFacts\x12\x17\n\x0frequested_order\x18\x03 \x01(\t\"\xe4\x01\n\x11NegotiateResponse\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.splitspec.v1.DrafterKind\x12\'\n\x06layers\x18\x02 \x03(\x0b\x32\x17.splitspec.v1.LayerSpec\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\r\x12\x31\n\x10supported_orders\x18\x04 \x03(\x0e\x32\x17.splitspec.v1.PageOrder\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x10\n\x08model_id\x18\x06 \x01(\t\"r\n\nPoolHandle\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.splitspec.v1.ShmHandleH\x00\x12/\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1b.splitspec.v1.CudaIpcHandleH\x00\x42\x0b\n\ttransport\"\'\n\tShmHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\xe3\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\"\'\n\x06\x43\x61nary\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\x0c\"\x85\x01\n\rAttachRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.splitspec.v1.KVLayout\x12&\n\x04pool\x18\x02 \x01(\x0b\x32\x18.splitspec.v1.PoolHandle\x12$\n\x06\x63\x61nary\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Canary\"H\n\x0e\x41ttachResponse\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x14\n\x0cmapped_bytes\x18\x03 \x01(\x04\"\xb1\x01\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rcontext_start\x18\x02 \x01(\r\x12\x19\n\x11\x63ontext_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bstaging_row\x18\x04 \x01(\r\x12\x11\n\tnew_pages\x18\x05 \x03(\r\x12\x15\n\rlast_token_id\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\r\"}\n\x0eProposeRequest\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12/\n\tsequences\x18\x03 \x03(\x0b\x32\x1c.splitspec.v1.SequenceUpdate\x12\x18\n\x10released_seq_ids\x18\x04 \x03(\x04\"*\n\x05\x44raft\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"6\n\x0fProposeResponse\x12#\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x13.splitspec.v1.Draft\"S\n\x0eReleaseRequest\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x0e\n\x06\x64\x65tach\x18\x04 \x01(\x08\"\x11\n\x0fReleaseResponse*z\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x01\x12\x1c\n\x18\x44RAFTER_KIND_DRAFT_MODEL\x10\x02\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x03\x32\xac\x02\n\x07\x44rafter\x12L\n\tNegotiate\x12\x1e.splitspec.v1.NegotiateRequest\x1a\x1f.splitspec.v1.NegotiateResponse\x12\x43\n\x06\x41ttach\x12\x1b.splitspec.v1.AttachRequest\x1a\x1c.splitspec.v1.AttachResponse\x12\x46\n\x07Propose\x12\x1c.splitspec.v1.ProposeRequest\x1a\x1d.splitspec.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.splitspec.v1.ReleaseRequest\x1a\x1d.splitspec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/drafter.proto\x12\x0csplitspec.v1\x1a\x1csplitspec/v1/kv_layout.proto\"\xb7\x03\n\x0bTargetFacts\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x31\n\x10supported_orders\x18\x06 \x03(\x0e\x32\x17.splitspec.v1.PageOrder\x12\x30\n\x0fpreferred_order\x18\x07 \x01(\x0e\x32\x17.splitspec.v1.PageOrder\x12\'\n\x08kv_dtype\x18\x08 \x01(\x0e\x32\x15.splitspec.v1.KVDtype\x12\x11\n\tpage_size\x18\t \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1b\n\x13max_tokens_per_step\x18\x0b \x01(\r\x12\x13\n\x0b\x64\x65vice_type\x18\x0c \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\x12\x15\n\rtorch_version\x18\x0f \x01(\t\x12\x14\n\x0c\x63uda_version\x18\x10 \x01(\t\"i\n\x10NegotiateRequest\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12)\n\x06target\x18\x02 \x01(\x0b\x32\x19.splitspec.v1.TargetFacts\x12\x17\n\x0frequested_order\x18\x03 \x01(\t\"\x91\x02\n\x11NegotiateResponse\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.splitspec.v1.DrafterKind\x12\'\n\x06layers\x18\x02 \x03(\x0b\x32\x17.splitspec.v1.LayerSpec\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\r\x12\x31\n\x10supported_orders\x18\x04 \x03(\x0e\x32\x17.splitspec.v1.PageOrder\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x10\n\x08model_id\x18\x06 \x01(\t\x12\x15\n\rtorch_version\x18\x07 \x01(\t\x12\x14\n\x0c\x63uda_version\x18\x08 \x01(\t\"r\n\nPoolHandle\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.splitspec.v1.ShmHandleH\x00\x12/\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1b.splitspec.v1.CudaIpcHandleH\x00\x42\x0b\n\ttransport\"\'\n\tShmHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\xe3\x01\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\r\x12\x0e\n\x06handle\x18\x03 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x04 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x06 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x07 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\t \x01(\x08\"\'\n\x06\x43\x61nary\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\x0c\"\xa1\x01\n\rAttachRequest\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.splitspec.v1.KVLayout\x12&\n\x04pool\x18\x02 \x01(\x0b\x32\x18.splitspec.v1.PoolHandle\x12$\n\x06\x63\x61nary\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Canary\x12\x1a\n\x12unconfirmed_epochs\x18\x04 \x03(\x04\"_\n\x0e\x41ttachResponse\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x14\n\x0cmapped_bytes\x18\x03 \x01(\x04\x12\x15\n\rmapped_epochs\x18\x04 \x03(\x04\"\xb1\x01\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rcontext_start\x18\x02 \x01(\r\x12\x19\n\x11\x63ontext_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bstaging_row\x18\x04 \x01(\r\x12\x11\n\tnew_pages\x18\x05 \x03(\r\x12\x15\n\rlast_token_id\x18\x06 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\r\"}\n\x0eProposeRequest\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12/\n\tsequences\x18\x03 \x03(\x0b\x32\x1c.splitspec.v1.SequenceUpdate\x12\x18\n\x10released_seq_ids\x18\x04 \x03(\x04\"*\n\x05\x44raft\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"6\n\x0fProposeResponse\x12#\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x13.splitspec.v1.Draft\"S\n\x0eReleaseRequest\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x03 \x03(\x04\x12\x0e\n\x06\x64\x65tach\x18\x04 \x01(\x08\"\x11\n\x0fReleaseResponse*z\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x01\x12\x1c\n\x18\x44RAFTER_KIND_DRAFT_MODEL\x10\x02\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x03\x32\xac\x02\n\x07\x44rafter\x12L\n\tNegotiate\x12\x1e.splitspec.v1.NegotiateRequest\x1a\x1f.splitspec.v1.NegotiateResponse\x12\x43\n\x06\x41ttach\x12\x1b.splitspec.v1.AttachRequest\x1a\x1c.splitspec.v1.AttachResponse\x12\x46\n\x07Propose\x12\x1c.splitspec.v1.ProposeRequest\x1a\x1d.splitspec.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.splitspec.v1.ReleaseRequest\x1a\x1d.splitspec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTERKIND']._serialized_start=1958
-  _globals['_DRAFTERKIND']._serialized_end=2080
+  _globals['_DRAFTERKIND']._serialized_start=2099
+  _globals['_DRAFTERKIND']._serialized_end=2221
   _globals['_TARGETFACTS']._serialized_start=75
-  _globals['_TARGETFACTS']._serialized_end=469
-  _globals['_NEGOTIATEREQUEST']._serialized_start=471
-  _globals['_NEGOTIATEREQUEST']._serialized_end=576
-  _globals['_NEGOTIATERESPONSE']._serialized_start=579
-  _globals['_NEGOTIATERESPONSE']._serialized_end=807
-  _globals['_POOLHANDLE']._serialized_start=809
-  _globals['_POOLHANDLE']._serialized_end=923
-  _globals['_SHMHANDLE']._serialized_start=925
-  _globals['_SHMHANDLE']._serialized_end=964
-  _globals['_CUDAIPCHANDLE']._serialized_start=967
-  _globals['_CUDAIPCHANDLE']._serialized_end=1194
-  _globals['_CANARY']._serialized_start=1196
-  _globals['_CANARY']._serialized_end=1235
-  _globals['_ATTACHREQUEST']._serialized_start=1238
-  _globals['_ATTACHREQUEST']._serialized_end=1371
-  _globals['_ATTACHRESPONSE']._serialized_start=1373
-  _globals['_ATTACHRESPONSE']._serialized_end=1445
-  _globals['_SEQUENCEUPDATE']._serialized_start=1448
-  _globals['_SEQUENCEUPDATE']._serialized_end=1625
-  _globals['_PROPOSEREQUEST']._serialized_start=1627
-  _globals['_PROPOSEREQUEST']._serialized_end=1752
-  _globals['_DRAFT']._serialized_start=1754
-  _globals['_DRAFT']._serialized_end=1796
-  _globals['_PROPOSERESPONSE']._serialized_start=1798
-  _globals['_PROPOSERESPONSE']._serialized_end=1852
-  _globals['_RELEASEREQUEST']._serialized_start=1854
-  _globals['_RELEASEREQUEST']._serialized_end=1937
-  _globals['_RELEASERESPONSE']._serialized_start=1939
-  _globals['_RELEASERESPONSE']._serialized_end=1956
-  _globals['_DRAFTER']._serialized_start=2083
-  _globals['_DRAFTER']._serialized_end=2383
+  _globals['_TARGETFACTS']._serialized_end=514
+  _globals['_NEGOTIATEREQUEST']._serialized_start=516
+  _globals['_NEGOTIATEREQUEST']._serialized_end=621
+  _globals['_NEGOTIATERESPONSE']._serialized_start=624
+  _globals['_NEGOTIATERESPONSE']._serialized_end=897
+  _globals['_POOLHANDLE']._serialized_start=899
+  _globals['_POOLHANDLE']._serialized_end=1013
+  _globals['_SHMHANDLE']._serialized_start=1015
+  _globals['_SHMHANDLE']._serialized_end=1054
+  _globals['_CUDAIPCHANDLE']._serialized_start=1057
+  _globals['_CUDAIPCHANDLE']._serialized_end=1284
+  _globals['_CANARY']._serialized_start=1286
+  _globals['_CANARY']._serialized_end=1325
+  _globals['_ATTACHREQUEST']._serialized_start=1328
+  _globals['_ATTACHREQUEST']._serialized_end=1489
+  _globals['_ATTACHRESPONSE']._serialized_start=1491
+  _globals['_ATTACHRESPONSE']._serialized_end=1586
+  _globals['_SEQUENCEUPDATE']._serialized_start=1589
+  _globals['_SEQUENCEUPDATE']._serialized_end=1766
+  _globals['_PROPOSEREQUEST']._serialized_start=1768
+  _globals['_PROPOSEREQUEST']._serialized_end=1893
+  _globals['_DRAFT']._serialized_start=1895
+  _globals['_DRAFT']._serialized_end=1937
+  _globals['_PROPOSERESPONSE']._serialized_start=1939
+  _globals['_PROPOSERESPONSE']._serialized_end=1993
+  _globals['_RELEASEREQUEST']._serialized_start=1995
+  _globals['_RELEASEREQUEST']._serialized_end=2078
+  _globals['_RELEASERESPONSE']._serialized_start=2080
+  _globals['_RELEASERESPONSE']._serialized_end=2097
+  _globals['_DRAFTER']._serialized_start=2224
+  _globals['_DRAFTER']._serialized_end=2524
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ DRAFTER_KIND_DRAFT_MODEL: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
 
 class TargetFacts(_message.Message):
-    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "fingerprint", "supported_orders", "preferred_order", "kv_dtype", "page_size", "max_num_seqs", "max_tokens_per_step", "device_type", "device_uuid", "max_model_len")
+    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "fingerprint", "supported_orders", "preferred_order", "kv_dtype", "page_size", "max_num_seqs", "max_tokens_per_step", "device_type", "device_uuid", "max_model_len", "torch_version", "cuda_version")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class TargetFacts(_message.Message):
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     hidden_size: int
     vocab_size: int
@@ -49,7 +51,9 @@ class TargetFacts(_message.Message):
     device_type: str
     device_uuid: str
     max_model_len: int
-    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., fingerprint: _Optional[str] = ..., supported_orders: _Optional[_Iterable[_Union[_kv_layout_pb2.PageOrder, str]]] = ..., preferred_order: _Optional[_Union[_kv_layout_pb2.PageOrder, str]] = ..., kv_dtype: _Optional[_Union[_kv_layout_pb2.KVDtype, str]] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    torch_version: str
+    cuda_version: str
+    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., fingerprint: _Optional[str] = ..., supported_orders: _Optional[_Iterable[_Union[_kv_layout_pb2.PageOrder, str]]] = ..., preferred_order: _Optional[_Union[_kv_layout_pb2.PageOrder, str]] = ..., kv_dtype: _Optional[_Union[_kv_layout_pb2.KVDtype, str]] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., max_model_len: _Optional[int] = ..., torch_version: _Optional[str] = ..., cuda_version: _Optional[str] = ...) -> None: ...
 
 class NegotiateRequest(_message.Message):
     __slots__ = ("target_id", "target", "requested_order")
@@ -62,20 +66,24 @@ class NegotiateRequest(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., target: _Optional[_Union[TargetFacts, _Mapping]] = ..., requested_order: _Optional[str] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
-    __slots__ = ("kind", "layers", "target_layer_ids", "supported_orders", "num_speculative_tokens", "model_id")
+    __slots__ = ("kind", "layers", "target_layer_ids", "supported_orders", "num_speculative_tokens", "model_id", "torch_version", "cuda_version")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_ORDERS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
     kind: DrafterKind
     layers: _containers.RepeatedCompositeFieldContainer[_kv_layout_pb2.LayerSpec]
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     supported_orders: _containers.RepeatedScalarFieldContainer[_kv_layout_pb2.PageOrder]
     num_speculative_tokens: int
     model_id: str
-    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., layers: _Optional[_Iterable[_Union[_kv_layout_pb2.LayerSpec, _Mapping]]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., supported_orders: _Optional[_Iterable[_Union[_kv_layout_pb2.PageOrder, str]]] = ..., num_speculative_tokens: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    torch_version: str
+    cuda_version: str
+    def __init__(self, kind: _Optional[_Union[DrafterKind, str]] = ..., layers: _Optional[_Iterable[_Union[_kv_layout_pb2.LayerSpec, _Mapping]]] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., supported_orders: _Optional[_Iterable[_Union[_kv_layout_pb2.PageOrder, str]]] = ..., num_speculative_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., torch_version: _Optional[str] = ..., cuda_version: _Optional[str] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
     __slots__ = ("shm", "cuda_ipc")
@@ -124,24 +132,28 @@ class Canary(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("layout", "pool", "canary")
+    __slots__ = ("layout", "pool", "canary", "unconfirmed_epochs")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
+    UNCONFIRMED_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     layout: _kv_layout_pb2.KVLayout
     pool: PoolHandle
     canary: Canary
-    def __init__(self, layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolHandle, _Mapping]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ...) -> None: ...
+    unconfirmed_epochs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolHandle, _Mapping]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., unconfirmed_epochs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("target_id", "epoch", "mapped_bytes")
+    __slots__ = ("target_id", "epoch", "mapped_bytes", "mapped_epochs")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     epoch: int
     mapped_bytes: int
-    def __init__(self, target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., mapped_bytes: _Optional[int] = ...) -> None: ...
+    mapped_epochs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., mapped_epochs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("seq_id", "context_start", "context_token_ids", "staging_row", "new_pages", "last_token_id", "num_speculative_tokens")

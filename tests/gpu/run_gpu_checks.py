@@ -1,30 +1,42 @@
 #!/usr/bin/env python
-"""GPU checks of issue 7 in one run: prints ONE JSON report on stdout (progress on stderr).
+"""The GPU checks of issue 12, one section per subprocess: a JSON report written after every section.
 
-Sections (each has its own verdict; the report's `ok` needs all of them):
-  env          torch/CUDA/device, FlashInfer import, allocator settings, preferred page order
-  ipc          CUDA IPC between two processes: the drafter process maps the target's pool by
-               UUID, reads the canary and a target page, writes a draft page, and still reads
-               them after the target let go of its own reference (tests/test_pool_transport.py);
-               mapping in the exporting process fails with a clear message
+Sections, in order (each its own verdict, its own time limit; the report's `ok` needs all):
+  env          versions (python, torch, CUDA, flashinfer, grpcio, protobuf), nvcc, the device,
+               allocator settings, FlashInfer's facts (common/flashinfer_probe.py)
+  jit          compiles every FlashInfer module the later sections load, once, up front and
+               concurrently, as the services load them (JitSpec.build_and_load), for the
+               GPU's architecture only (FLASHINFER_CUDA_ARCH_LIST / TORCH_CUDA_ARCH_LIST from
+               torch.cuda.get_device_capability: 9.0a on an H200); seconds per module, and
+               per file from ninja's log. The kernel family is pinned: FlashInfer's FA2
+  ipc          CUDA IPC between two unrelated processes (tests/gpu/ipc_check.py): map, canary,
+               a page the target wrote, a draft page the target reads, alive after the target
+               let go, and re-attach cycles after which torch.cuda.mem_get_info shows the old
+               pools' memory returned
   parity       FlashInfer backend vs torch backend on one layer (32 q heads, 8 KV heads, dim
-               128, page 16): prefill, K+1 verify, non-causal block, decode, mixed; NHD and
-               HND; bf16 and fp8 e4m3 pages (scaled); pages must be bit-identical and outputs
-               as close to a float32 reference as the torch backend's
-  split_stack  real target and DFlash drafter processes on the GPU (tiny checkpoints built
-               like tests/tiny_models.py and tests/test_dflash_parity.py, head_dim 128 so that
-               FlashInfer runs them), greedy outputs with speculation vs without, per config:
-               torch backend float32 (must be identical) and FlashInfer bf16 / fp8 KV
-               (identical, or every divergence is a near-tie of the float32 target)
-  step_times   random-weight Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads,
-               dim 128, vocab 151936, bf16) and a 5-layer DFlash-shaped drafter, FlashInfer,
-               fp8 KV: verify at K+1 tokens vs 1-token decode, draft step, Propose round trip
-               (gRPC to a real drafter process), and the projected speedup at acceptance
-               lengths 3, 5 and 7:  speedup(tau) = tau * t_decode / (t_verify + t_draft + t_rtt)
+               128, page 16): causal prefill with context, K+1 verify, DFlash's non-causal
+               block, decode, a mixed batch; NHD and HND; bf16 and fp8 e4m3 pages with scales
+               0.5 / 2.0; appended pages bit-identical, outputs as close to a float32 reference
+               as the torch backend's
+  split_stack  real target and DFlash drafter processes on the GPU with the bundled demo pair
+               (demo/target, demo/dflash): torch backend in float32 (output must be identical)
+               and FlashInfer with fp8 KV (identical, or every divergence a near-tie of the
+               float32 target); attaches over CUDA IPC, drafts, acceptance length
+  step_times   random-weight Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, dim
+               128, vocab 151936, bf16) and a 5-layer DFlash-shaped drafter, FlashInfer, fp8
+               KV: decode, K+1 verify, drafter step, Propose round trip (gRPC to a real drafter
+               process), and the speedup they imply at the demo pair's acceptance length
+               (measured by split_stack, else the README's) and at 3, 5, 7:
+               speedup(tau) = tau * t_decode / (t_verify + t_draft + t_rtt)
 
-Usage: python tests/gpu/run_gpu_checks.py [--budget-s 470] [--sections a,b] [--out report.json]
-Exit status 0 when every section passed. Runs on a CPU too (every section then fails fast
-with "no CUDA device"), which is how its CPU-runnable parts are tested.
+Usage: python tests/gpu/run_gpu_checks.py [--budget-s 450] [--sections a,b] [--out report.json]
+       [--dry-run]   (tests/gpu/run.sh runs it on the GPU machine)
+The report goes to --out (default: $OUT/gpu_report.json when $OUT is set) after every
+section, and as one JSON line on stdout at the end. A section runs in its own process
+group and is killed at its time limit (a FlashInfer compile cannot be interrupted from
+inside); its log's tail goes into the report. --dry-run (or no CUDA device) runs the whole
+orchestration, each section reporting "skipped: no CUDA device" (or "dry run"); exit status
+0 when every section passed, or, in a dry run, when every section ran or was skipped.
 """
 
 from __future__ import annotations
@@ -32,8 +44,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -44,30 +60,46 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-SECTIONS = ("env", "ipc", "parity", "split_stack", "step_times")
+SECTIONS = ("env", "jit", "ipc", "parity", "split_stack", "step_times")
+# Seconds each section may take at most (run.sh's whole run must fit 8 minutes from a
+# cold start), and at least for it to be worth starting.
+SECTION_LIMIT_S = {"env": 30.0, "jit": 200.0, "ipc": 45.0, "parity": 45.0, "split_stack": 90.0,
+                   "step_times": 70.0}
+MIN_SECTION_S = {"env": 5.0, "jit": 30.0, "ipc": 10.0, "parity": 10.0, "split_stack": 30.0, "step_times": 20.0}
+DEFAULT_BUDGET_S = 450.0
 ACCEPTANCE_LENGTHS = (3, 5, 7)
-DEFAULT_BUDGET_S = 470.0  # the issue allows 8 minutes; a little slack for start-up
-# Seconds a section needs at least to be worth starting.
-MIN_SECTION_S = {"env": 1.0, "ipc": 20.0, "parity": 30.0, "split_stack": 60.0, "step_times": 60.0}
+DEMO_DIR = REPO_ROOT / "demo"
+DEMO_ACCEPTANCE_LENGTH = 2.81  # README: the demo DFlash drafter on the held-out modules, K=8
+LOG_TAIL_CHARS = 3000
+KILL_GRACE_S = 5.0
 
 
 # ---------------------------------------------------------------------------------------
-# CPU-runnable pieces: arguments, budget, the projection, the report
+# Arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="run_gpu_checks.py",
-        description="GPU checks for the FlashInfer backend and CUDA IPC page sharing; one JSON report on stdout.",
+        description="GPU checks for CUDA IPC page sharing and the FlashInfer backend; a JSON report.",
     )
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget for all sections")
     p.add_argument("--sections", type=_sections, default=SECTIONS, metavar="LIST",
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
-    p.add_argument("--out", type=Path, default=None, help="also write the report to this file")
-    p.add_argument("--workdir", type=Path, default=None, help="checkpoints and logs (default: a temp dir)")
+    p.add_argument("--limits", type=_limits, default={}, metavar="NAME=S,...",
+                   help="override sections' time limits in seconds (e.g. jit=240)")
+    p.add_argument("--out", type=Path, default=_default_out(), help="the report, rewritten after every section "
+                   "(default: $OUT/gpu_report.json when $OUT is set)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="checkpoints and logs, kept (default: a temp dir, removed at the end)")
     p.add_argument("--device", default="cuda:0", help="the GPU to use")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the orchestration and the report, no GPU work (each section reports skipped)")
+    p.add_argument("--run-section", choices=SECTIONS, help=argparse.SUPPRESS)  # one section, in its subprocess
+    p.add_argument("--section-out", type=Path, help=argparse.SUPPRESS)  # where that section writes its result
+    p.add_argument("--prior", type=Path, help=argparse.SUPPRESS)  # the report so far (earlier sections)
     g = p.add_argument_group("step times (defaults: Qwen3-8B with a 5-layer DFlash drafter)")
-    g.add_argument("--num-speculative-tokens", "-k", type=_positive, default=15, help="K (DFlash b16: 15)")
+    g.add_argument("--num-speculative-tokens", "-k", type=_positive, default=8, help="K (the demo pair's: 8)")
     g.add_argument("--context-len", type=_positive, default=1024, help="tokens already in the KV cache")
     g.add_argument("--batch", type=_positive, default=1, help="sequences per step")
     g.add_argument("--kv-dtype", default="fp8_e4m3", choices=("fp8_e4m3", "bfloat16"), help="KV page dtype")
@@ -78,16 +110,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--hidden-size", type=_positive, default=4096)
     g.add_argument("--intermediate-size", type=_positive, default=12288)
     g.add_argument("--vocab-size", type=_positive, default=151936)
-    g.add_argument("--tau", type=_positive, default=5, help="context tokens the drafter writes per draft step")
+    g.add_argument("--tau", type=_positive, default=3, help="context tokens the drafter writes per draft step")
     s = p.add_argument_group("split stack")
-    s.add_argument("--demo-target", type=Path, default=None, help="a trained demo target (default: a tiny random one)")
-    s.add_argument("--demo-drafter", type=Path, default=None, help="its DFlash drafter (with --demo-target)")
-    s.add_argument("--max-tokens", type=_positive, default=24, help="tokens generated per prompt")
-    s.add_argument("--prompts", type=_positive, default=20, help="prompts per config (of tests/tiny_models.PROMPTS)")
-    args = p.parse_args(argv)
-    if (args.demo_target is None) != (args.demo_drafter is None):
-        p.error("--demo-target and --demo-drafter go together")
-    return args
+    s.add_argument("--demo-target", type=Path, default=DEMO_DIR / "target", help="target checkpoint")
+    s.add_argument("--demo-drafter", type=Path, default=DEMO_DIR / "dflash", help="its DFlash drafter")
+    s.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per prompt")
+    s.add_argument("--prompts", type=_positive, default=16, help="prompts per config (of tests/tiny_models.PROMPTS)")
+    s.add_argument("--ipc-pool-mib", type=float, default=1024.0, help="size of each pool of the IPC check")
+    return p.parse_args(argv)
+
+
+def _default_out() -> Path | None:
+    out = os.environ.get("OUT")
+    return Path(out) / "gpu_report.json" if out else None
 
 
 def _sections(text: str) -> tuple[str, ...]:
@@ -98,11 +133,30 @@ def _sections(text: str) -> tuple[str, ...]:
     return tuple(n for n in SECTIONS if n in names)  # always in the canonical order
 
 
+def _limits(text: str) -> dict[str, float]:
+    limits = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not sep or name not in SECTIONS or seconds <= 0:
+            raise argparse.ArgumentTypeError(f"limits are NAME=SECONDS with NAME one of {','.join(SECTIONS)}, "
+                                             f"got {item!r}")
+        limits[name] = seconds
+    return limits
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+# ---------------------------------------------------------------------------------------
+# Budget, sections as subprocesses, the report (all CPU-runnable)
 
 
 @dataclass
@@ -120,14 +174,9 @@ class Budget:
     def remaining(self) -> float:
         return max(0.0, self.total_s - self.elapsed())
 
-    def check(self, what: str, need_s: float = 0.0) -> None:
-        """Raise OutOfTime unless `need_s` seconds are left for `what`."""
-        if self.remaining() < need_s:
-            raise OutOfTime(f"{what}: {self.remaining():.0f} s left of {self.total_s:.0f} s, needs {need_s:.0f} s")
 
-
-class OutOfTime(RuntimeError):
-    """The budget ran out; the section reports what it finished."""
+class SkipSection(Exception):
+    """The section cannot do its GPU work here (no CUDA device, a dry run)."""
 
 
 def project_speedup(t_decode_ms: float, t_verify_ms: float, t_draft_ms: float, t_rtt_ms: float,
@@ -155,39 +204,105 @@ def project_speedup(t_decode_ms: float, t_verify_ms: float, t_draft_ms: float, t
     }
 
 
-def run_section(name: str, fn: Callable[[], dict], budget: Budget) -> dict:
-    """Run one section: its dict plus ok/elapsed; a failure becomes an error entry."""
-    start = time.monotonic()
+def section_limit(name: str, args: argparse.Namespace, budget: Budget) -> float:
+    """This section's time limit: its own, cut to what is left of the whole budget."""
+    return min(args.limits.get(name, SECTION_LIMIT_S[name]), budget.remaining())
+
+
+def run_process(command: list[str], limit_s: float, log_path: Path, env: dict[str, str] | None = None) -> dict:
+    """Run `command` in its own process group with its output in `log_path`; past `limit_s`
+    the whole group (services it started included) gets SIGTERM, then SIGKILL."""
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=limit_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            code = proc.returncode
+        finally:
+            _kill_group(proc, leftovers_only=True)
+    return {"exit_code": code, "timed_out": timed_out, "elapsed_s": round(time.monotonic() - started, 2)}
+
+
+def _kill_group(proc: subprocess.Popen, leftovers_only: bool = False) -> None:
+    """SIGTERM the process group (after the leader exited: whatever it left running), then SIGKILL."""
     try:
-        budget.check(name, MIN_SECTION_S.get(name, 0.0))
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    if not leftovers_only:
+        try:
+            proc.wait(KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    time.sleep(0.2 if leftovers_only else 0.0)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def run_section_process(name: str, args: argparse.Namespace, argv: list[str], workdir: Path, limit_s: float,
+                        prior: Path, env: dict[str, str]) -> dict:
+    """One section in its subprocess; its result, or what went wrong with it."""
+    result_path = workdir / f"{name}.json"
+    result_path.unlink(missing_ok=True)
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--run-section", name,
+               "--section-out", str(result_path), "--prior", str(prior), "--workdir", str(workdir)]
+    log_path = workdir / f"{name}.log"
+    run = run_process(command, limit_s, log_path, env)
+    if run["timed_out"]:
+        result = {"ok": False, "error": f"timed out after {limit_s:.0f} s (the section's limit); killed"}
+    elif result_path.is_file():
+        result = json.loads(result_path.read_text())
+    else:
+        result = {"ok": False, "error": f"the section's process exited with {run['exit_code']} and no result"}
+    result["elapsed_s"] = run["elapsed_s"]
+    result["limit_s"] = round(limit_s, 1)
+    if not result.get("ok") and "skipped" not in result:
+        result["log_tail"] = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    return result
+
+
+def run_section_here(name: str, fn: Callable[[], dict]) -> dict:
+    """Inside the section's process: its dict plus ok; a failure becomes an error entry."""
+    try:
         result = fn()
         result.setdefault("ok", True)
-    except OutOfTime as exc:
+    except SkipSection as exc:
         result = {"ok": False, "skipped": str(exc)}
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - pytest.fail in tests.procs raises BaseException
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:4000],
                   "traceback": traceback.format_exc(limit=12)[-4000:]}
-    result["elapsed_s"] = round(time.monotonic() - start, 2)
-    _log(f"[{name}] {'ok' if result['ok'] else 'FAILED'} in {result['elapsed_s']} s")
     return result
 
 
-def assemble_report(sections: dict[str, dict], args: argparse.Namespace, budget: Budget) -> dict:
+def assemble_report(sections: dict[str, dict], args: argparse.Namespace, budget: Budget,
+                    env: dict[str, str] | None = None) -> dict:
     wanted = list(args.sections)
-    for name in wanted:
-        sections.setdefault(name, {"ok": False, "skipped": "not run"})
-    failed = [n for n in wanted if not sections[n].get("ok")]
+    shown = {n: sections.get(n, {"ok": False, "skipped": "not run yet"}) for n in wanted}
+    failed = [n for n in wanted if not shown[n].get("ok")]
+    if args.dry_run:  # a dry run passes when every section ran or was skipped for want of a GPU
+        failed = [n for n in wanted if not shown[n].get("ok") and "skipped" not in shown[n]]
     return {
-        "report": "splitspec issue 7 GPU checks",
-        "ok": not failed,
+        "report": "splitspec issue 12 GPU checks",
+        "dry_run": args.dry_run,
+        "ok": not failed and (args.dry_run or len(sections) == len(wanted)),
         "failed": failed,
         "elapsed_s": round(budget.elapsed(), 2),
         "budget_s": budget.total_s,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "sections": {n: sections[n] for n in wanted},
-        "summary": summarize(sections),
+        "arch_env": env or {},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if k not in ("run_section", "section_out", "prior")},
+        "sections": shown,
+        "summary": summarize(shown),
     }
 
 
@@ -201,6 +316,41 @@ def summarize(sections: dict[str, dict]) -> list[str]:
     return lines
 
 
+def write_report(path: Path | None, report: dict) -> None:
+    """Replace the report file whole (a reader never sees half of one)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2, default=str))
+    partial.replace(path)
+
+
+def arch_env(env_result: dict) -> dict[str, str]:
+    """The architecture lists for the GPU the env section found: compile for it alone."""
+    capability = env_result.get("capability")
+    if not capability:
+        return {}
+    major, minor = capability
+    arch = f"{major}.{minor}{'a' if major >= 9 else ''}"  # Hopper and later: the arch-specific 'a' target
+    return {"FLASHINFER_CUDA_ARCH_LIST": arch, "TORCH_CUDA_ARCH_LIST": arch}
+
+
+def section_argv(argv: list[str]) -> list[str]:
+    """The command line a section's process gets: the run's own, minus what the orchestrator owns."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        flag = item.split("=", 1)[0]
+        if flag in ("--out", "--workdir", "--sections", "--limits", "--budget-s"):
+            skip = "=" not in item
+            continue
+        out.append(item)
+    return out
+
+
 def claim_stdout():
     """Send everything else written to stdout (Python or C++, ours or a library's, JIT compiler
     output) to stderr, and return a file on the real stdout for the one JSON report."""
@@ -210,32 +360,64 @@ def claim_stdout():
     return os.fdopen(report_fd, "w")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    report_out = claim_stdout()
+def orchestrate(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Every wanted section in its subprocess, in order; the report, also written after each."""
     budget = Budget(args.budget_s)
-    workdir = args.workdir
-    if workdir is None:
-        import tempfile
-
-        workdir = Path(tempfile.mkdtemp(prefix="splitspec-gpu-"))
+    own_workdir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="splitspec-gpu-")) if own_workdir else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
+    prior = workdir / "report-so-far.json"
+    sections: dict[str, dict] = {}
+    arch: dict[str, str] = {}
+    try:
+        for name in args.sections:
+            limit = section_limit(name, args, budget)
+            if budget.remaining() < MIN_SECTION_S[name]:
+                result = {"ok": False, "error": f"out of time: {budget.remaining():.0f} s left of "
+                                                f"{budget.total_s:.0f} s, the section needs {MIN_SECTION_S[name]:.0f} s"}
+            else:
+                _log(f"[{name}] starting, limit {limit:.0f} s, {budget.remaining():.0f} s left")
+                write_report(prior, assemble_report(sections, args, budget, arch))
+                env = {**os.environ, **arch}
+                result = run_section_process(name, args, section_argv(argv), workdir, limit, prior, env)
+            sections[name] = result
+            if name == "env":
+                arch = arch_env(result)
+            verdict = "ok" if result.get("ok") else ("skipped" if "skipped" in result else "FAILED")
+            _log(f"[{name}] {verdict} in {result.get('elapsed_s', 0)} s")
+            write_report(args.out, assemble_report(sections, args, budget, arch))
+    finally:
+        if own_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report = assemble_report(sections, args, budget, arch)
+    write_report(args.out, report)
+    return report
+
+
+def run_one_section(args: argparse.Namespace) -> int:
+    """Inside a section's process: run it, write its result."""
+    prior = json.loads(args.prior.read_text()) if args.prior and args.prior.is_file() else {}
     runners = {
         "env": lambda: check_env(args),
+        "jit": lambda: check_jit(args),
         "ipc": lambda: check_ipc(args),
-        "parity": lambda: check_parity(args, budget),
-        "split_stack": lambda: check_split_stack(args, budget, workdir),
-        "step_times": lambda: check_step_times(args, budget, workdir),
+        "parity": lambda: check_parity(args),
+        "split_stack": lambda: check_split_stack(args),
+        "step_times": lambda: check_step_times(args, prior),
     }
-    sections: dict[str, dict] = {}
-    for name in args.sections:
-        _log(f"[{name}] starting, {budget.remaining():.0f} s left")
-        sections[name] = run_section(name, runners[name], budget)
-    report = assemble_report(sections, args, budget)
-    text = json.dumps(report, default=str)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2, default=str))
-    report_out.write(text + "\n")
+    result = run_section_here(args.run_section, runners[args.run_section])
+    args.section_out.write_text(json.dumps(result, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.run_section:
+        return run_one_section(args)
+    report_out = claim_stdout()
+    report = orchestrate(args, argv)
+    report_out.write(json.dumps(report, default=str) + "\n")
     report_out.flush()
     return 0 if report["ok"] else 1
 
@@ -249,10 +431,13 @@ def _log(message: str) -> None:
 
 
 def require_cuda(args: argparse.Namespace):
+    """The GPU; SkipSection on a machine without one or in a dry run."""
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError(f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+        raise SkipSection(f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+    if args.dry_run:
+        raise SkipSection("dry run")
     return torch.device(args.device)
 
 
@@ -284,33 +469,147 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int, device=None) -> d
 
 
 def check_env(args: argparse.Namespace) -> dict:
-    import shutil
+    import importlib.metadata
+    import platform
 
     import torch
 
     from common.flashinfer_backend import FlashInferAttentionBackend, flashinfer_import_error
-    from common.pool_transport import TransportError, check_ipc_allocator
+    from common.pool_transport import TorchBuild, TransportError, check_ipc_allocator
 
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "cuda_available": torch.cuda.is_available(), "nvcc": shutil.which("nvcc") or "",
-            "cuda_home": os.environ.get("CUDA_HOME", "")}
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    info = {"python": platform.python_version(), "torch": str(TorchBuild.here()),
+            "cuda_available": torch.cuda.is_available(),
+            "packages": {d: version(d) for d in ("flashinfer-python", "apache-tvm-ffi", "grpcio", "protobuf",
+                                                 "transformers", "safetensors", "tokenizers", "ninja")},
+            "nvcc": shutil.which("nvcc") or "", "nvcc_version": _nvcc_version(),
+            "cuda_home": os.environ.get("CUDA_HOME", ""),
+            "alloc_conf": {v: os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}}
     try:
         check_ipc_allocator()
         info["ipc_allocator"] = "ok"
     except TransportError as exc:
         info["ipc_allocator"] = str(exc)
     error = flashinfer_import_error()
-    info["flashinfer"] = error or __import__("flashinfer").__version__
+    info["flashinfer"] = error or "imports"
     if not torch.cuda.is_available():
-        return {**info, "ok": False, "error": "no CUDA device"}
+        return {**info, "ok": False, "skipped": f"no CUDA device (torch {torch.__version__})"}
     device = torch.device(args.device)
     props = torch.cuda.get_device_properties(device)
     info.update(device=props.name, capability=list(torch.cuda.get_device_capability(device)),
                 memory_gib=round(props.total_memory / 2**30, 1), uuid=str(props.uuid),
+                allocator_backend=torch.cuda.get_allocator_backend(),
                 preferred_order=FlashInferAttentionBackend.preferred_order(device))
-    info["ok"] = error is None and info["ipc_allocator"] == "ok"
-    info["headline"] = f"{props.name} sm{props.major}{props.minor}, torch {torch.__version__}, flashinfer {info['flashinfer']}"
+    info["arch_env"] = arch_env(info)
+    if error is None:
+        from common.flashinfer_probe import gather_facts, why_flashinfer_cannot_run
+
+        facts = gather_facts((64, 128), torch.bfloat16, torch.float8_e4m3fn)
+        info["flashinfer_facts"] = {"nvcc": facts.nvcc, "ninja": facts.ninja, "cuda_home": facts.cuda_home,
+                                    "jit_dir": facts.jit_dir, "aot": sorted(facts.aot_modules),
+                                    "jit_cached": sorted(facts.jit_cached_modules), "notes": list(facts.notes)}
+        info["flashinfer_cannot_run"] = why_flashinfer_cannot_run(facts)
+    info["ok"] = error is None and info["ipc_allocator"] == "ok" and not info.get("flashinfer_cannot_run")
+    info["headline"] = (f"{props.name} sm{props.major}{props.minor}, {TorchBuild.here()}, "
+                        f"flashinfer {info['packages']['flashinfer-python'] or error}, nvcc {info['nvcc_version']}")
     return info
+
+
+def _nvcc_version() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return ""
+    run = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    return run.stdout.strip().splitlines()[-1] if run.returncode == 0 and run.stdout.strip() else ""
+
+
+# ---------------------------------------------------------------------------------------
+# jit: every FlashInfer module the later sections load, compiled once, up front
+
+
+def jit_problems(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(query dtype, KV dtype, head dim) of every FlashInfer attention the later sections run."""
+    demo_head_dim = json.loads((args.demo_target / "config.json").read_text()).get("head_dim", 128)
+    wanted = {("bfloat16", kv, PARITY_HEADS[2]) for kv in PARITY_KV_DTYPES}  # parity
+    wanted.add(("bfloat16", "fp8_e4m3", demo_head_dim))  # split stack: FlashInfer config (target and drafter)
+    wanted.add(("bfloat16", args.kv_dtype, PARITY_HEADS[2]))  # step times
+    return sorted(wanted)
+
+
+def check_jit(args: argparse.Namespace) -> dict:
+    """Build every module the later sections load, concurrently, the way the services will
+    load them (`build_and_load`: ninja in each module's own folder, so the later loads find
+    ninja's log there and rebuild nothing); then load each again to show it is cached."""
+    import torch
+
+    require_cuda(args)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashinfer.jit import env as jit_env
+    from flashinfer.jit.attention import modules
+    from flashinfer.jit.page import gen_page_module
+
+    from common.flashinfer_probe import KERNEL_FAMILY, needed_modules
+    from common.kv_layout import KV_DTYPES
+
+    specs = {"page": gen_page_module()}
+    for q, kv, dim in jit_problems(args):
+        q_dtype, kv_dtype = KV_DTYPES[q], KV_DTYPES[kv]
+        # what flashinfer/prefill.py get_batch_prefill_module builds for the FA2 family
+        spec = modules._gen_batch_prefill_primary_module(KERNEL_FAMILY, q_dtype, kv_dtype, q_dtype, torch.int32,
+                                                          dim, dim, 0, False, False, False)
+        if spec.name not in needed_modules((dim,), q_dtype, kv_dtype):
+            raise RuntimeError(f"FlashInfer builds {spec.name}, which the probe does not expect")
+        specs[spec.name] = spec
+    # ninja's jobs shared out: every module at once would run cores x modules compilers
+    os.environ["MAX_JOBS"] = str(max(2, (os.cpu_count() or 2) // len(specs)))
+
+    def build(spec) -> float:
+        begin = time.monotonic()
+        spec.build_and_load()
+        return round(time.monotonic() - begin, 2)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(specs)) as pool:
+        seconds = dict(zip(specs, pool.map(build, specs.values())))
+    compile_s = round(time.monotonic() - started, 2)
+    result = {
+        "arch_list": os.environ.get("FLASHINFER_CUDA_ARCH_LIST", ""), "kernel_family": KERNEL_FAMILY,
+        "jit_dir": str(jit_env.FLASHINFER_JIT_DIR), "max_jobs_per_module": int(os.environ["MAX_JOBS"]),
+        "compile_s": compile_s, "modules": {},
+    }
+    for name, spec in specs.items():
+        files = _ninja_seconds(_ninja_entries(spec.build_dir / ".ninja_log")).get(name, {})
+        result["modules"][name] = {"build_and_load_s": seconds[name], **files, "reload_s": build(spec)}
+    slow_reload = [n for n, m in result["modules"].items() if m["reload_s"] > 5.0]
+    result["ok"] = not slow_reload
+    if slow_reload:
+        result["error"] = f"loading again rebuilt {', '.join(slow_reload)}: the services would compile again"
+    result["headline"] = (f"{len(specs)} modules built in {compile_s} s for {result['arch_list'] or 'all archs'} "
+                          f"({KERNEL_FAMILY})")
+    return result
+
+
+def _ninja_entries(path: Path) -> list[list[str]]:
+    """ninja's log: start ms, end ms, mtime, output, hash per built output."""
+    if not path.is_file():
+        return []
+    return [line.split("\t") for line in path.read_text().splitlines() if line and not line.startswith("#")]
+
+
+def _ninja_seconds(entries: list[list[str]]) -> dict[str, dict]:
+    """Per module (the output's folder): compile seconds summed over its files, and their wall span."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for start, end, _mtime, output, *_ in entries:  # outputs are <jit dir>/<module>/<file>
+        spans.setdefault(Path(output).parent.name, []).append((int(start), int(end)))
+    return {name: {"compile_cpu_s": round(sum(e - s for s, e in ts) / 1000, 2),
+                   "wall_s": round((max(e for _, e in ts) - min(s for s, _ in ts)) / 1000, 2)}
+            for name, ts in spans.items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,31 +621,21 @@ def check_ipc(args: argparse.Namespace) -> dict:
 
     from common.kv_pool import PagePool
     from common.pool_transport import TransportError, export_pool, map_pool
-    from tests.ipc_check import ipc_layout, two_process_ipc_check
+    from tests.gpu.ipc_check import pool_layout, run_ipc_check
 
     device = require_cuda(args)
-    report = two_process_ipc_check(device)
-    checks = {
-        "canary_read_by_drafter": report["canary_ok"],
-        "target_page_read_by_drafter": report["target_page_sum"] == report["page_values"],
-        "draft_page_seen_by_target": report["draft_page_written"],
-        "alive_after_target_let_go": report["canary_ok_after_target_let_go"]
-        and report["target_page_sum_after"] == report["page_values"],
-        "drafter_exit_0": report["drafter_exit_code"] == 0,
-    }
-    pool = PagePool.create(ipc_layout(), device)
+    report = run_ipc_check(device, args.workdir, pool_mib=args.ipc_pool_mib)
+    pool = PagePool.create(pool_layout(9, 16), device)
     try:
         map_pool(pool.layout, export_pool(pool))
-        checks["same_process_error"] = False
+        report["checks"]["same_process_error"] = False
         report["same_process_error"] = "mapping in the exporting process did not fail"
     except TransportError as exc:
-        checks["same_process_error"] = "this very process" in str(exc)
+        report["checks"]["same_process_error"] = "this very process" in str(exc)
         report["same_process_error"] = str(exc)
     del pool
     torch.cuda.synchronize()
-    report["checks"] = checks
-    report["ok"] = all(checks.values())
-    report["headline"] = ", ".join(f"{k}={v}" for k, v in checks.items())
+    report["ok"] = all(report["checks"].values())
     return report
 
 
@@ -355,6 +644,7 @@ def check_ipc(args: argparse.Namespace) -> dict:
 
 
 PARITY_HEADS = (32, 8, 128)  # q heads, KV heads, head dim (Qwen3-8B)
+PARITY_KV_DTYPES = ("bfloat16", "fp8_e4m3")
 PARITY_PAGE = 16
 PARITY_SEQS = (300, 77, 16, 1)  # prompt lengths; then +16 verify, +16 block, +1 decode, mixed
 PARITY_STEPS = (
@@ -366,12 +656,11 @@ PARITY_STEPS = (
 )
 
 
-def check_parity(args: argparse.Namespace, budget: Budget) -> dict:
+def check_parity(args: argparse.Namespace) -> dict:
     device = require_cuda(args)
     results = {}
     for order in ("NHD", "HND"):
-        for kv_dtype in ("bfloat16", "fp8_e4m3"):
-            budget.check(f"parity {order} {kv_dtype}", 5.0)
+        for kv_dtype in PARITY_KV_DTYPES:
             results[f"{order}/{kv_dtype}"] = parity_case(device, order, kv_dtype)
     ok = all(case["ok"] for case in results.values())
     worst = max(step["fi_vs_torch"] for case in results.values() for step in case["steps"].values())
@@ -449,72 +738,33 @@ def parity_case(device, order: str, kv_dtype: str, kernels=None) -> dict:
 # split stack: real processes, tiny checkpoints
 
 
-TINY_HEAD_DIM = 128  # FlashInfer kernels exist for head_dim 64, 128, 256
 SPLIT_CONFIGS = (
     # name, target --dtype, --attention-backend, --kv-cache-dtype, drafter --dtype, exact
     ("torch_float32", "float32", "torch", "float32", "float32", True),
-    ("flashinfer_bf16", "bfloat16", "flashinfer", "bfloat16", "bfloat16", False),
     ("flashinfer_fp8", "bfloat16", "flashinfer", "fp8_e4m3", "bfloat16", False),
 )
 NEAR_TIE = 0.05  # a divergence is a near-tie when the two tokens' float32 logits differ by < 5% of their std
+SPLIT_K = 8  # the demo DFlash drafter's block size - 1
 
 
-def make_demo_pair(workdir: Path) -> tuple[Path, Path]:
-    """A tiny target (4 layers) and a DFlash drafter for it, head_dim 128, saved like the tests do."""
-    from transformers import AutoTokenizer, Qwen3Config
-
-    from tests.tiny_models import REFERENCE_DFLASH_K as K
-    from tests.tiny_models import TARGET_LAYER_IDS, TARGET_LAYERS, make_qwen3
-
-    target = workdir / "demo-target"
-    drafter = workdir / "demo-dflash"
-    if not (target / "config.json").exists():
-        make_qwen3(target, num_hidden_layers=TARGET_LAYERS, hidden_size=128, intermediate_size=256,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=TINY_HEAD_DIM)
-    if not (drafter / "config.json").exists():
-        import torch
-        from dflash.model import DFlashDraftModel as ReferenceDraft
-
-        tok = AutoTokenizer.from_pretrained(target)
-        config = Qwen3Config(
-            vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=1, head_dim=TINY_HEAD_DIM, max_position_embeddings=512,
-            rope_theta=10000.0, tie_word_embeddings=False, num_target_layers=TARGET_LAYERS,
-            dflash_config={"mask_token_id": tok.mask_token_id, "target_layer_ids": TARGET_LAYER_IDS,
-                           "block_size": K + 1},
-        )
-        torch.manual_seed(0)
-        model = ReferenceDraft(config).eval()
-        with torch.no_grad():  # as make_reference_dflash: the context and the block matter
-            for name, param in model.named_parameters():
-                if name.endswith("proj.weight") or name == "fc.weight":
-                    param.mul_(8.0)
-            model.norm.weight.mul_(4.0)
-        model.save_pretrained(drafter, safe_serialization=True)
-    return target, drafter
-
-
-def check_split_stack(args: argparse.Namespace, budget: Budget, workdir: Path) -> dict:
+def check_split_stack(args: argparse.Namespace) -> dict:
     require_cuda(args)
     from transformers import AutoTokenizer
 
     from tests.tiny_models import PROMPTS
 
-    if args.demo_target is not None:
-        target_dir, drafter_dir = args.demo_target, args.demo_drafter
-    else:
-        target_dir, drafter_dir = make_demo_pair(workdir)
+    target_dir, drafter_dir = args.demo_target, args.demo_drafter
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = [tok.encode(p) for p in (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]]
     configs = {}
     for name, dtype, backend, kv_dtype, draft_dtype, exact in SPLIT_CONFIGS:
-        budget.check(f"split stack {name}", 40.0)
-        configs[name] = split_config(args, workdir / name, target_dir, drafter_dir, prompts, dtype, backend,
-                                      kv_dtype, draft_dtype, exact)
+        configs[name] = split_config(args, args.workdir / name, target_dir, drafter_dir, prompts, dtype, backend,
+                                     kv_dtype, draft_dtype, exact)
     ok = all(c["ok"] for c in configs.values())
     return {"ok": ok, "configs": configs, "target": str(target_dir), "drafter": str(drafter_dir),
-            "headline": "; ".join(f"{n}: {c['identical']}/{c['prompts']} identical, accepted "
-                                  f"{c['accepted_tokens']}/{c['draft_tokens']}" for n, c in configs.items())}
+            "acceptance_length": configs["flashinfer_fp8"]["acceptance_length"],
+            "headline": "; ".join(f"{n}: {c['identical']}/{c['prompts']} identical, acceptance length "
+                                  f"{c['acceptance_length']}" for n, c in configs.items())}
 
 
 def split_config(args, root: Path, target_dir: Path, drafter_dir: Path, prompts: list[list[int]], dtype: str,
@@ -527,7 +777,7 @@ def split_config(args, root: Path, target_dir: Path, drafter_dir: Path, prompts:
     root.mkdir(parents=True, exist_ok=True)
     drafter = Service("draft_service.cli", [
         "--kind", "dflash", "--model", str(drafter_dir), "--target-model", str(target_dir), "--device", args.device,
-        "--dtype", draft_dtype, "--port", "0", "--num-speculative-tokens", "4",
+        "--dtype", draft_dtype, "--port", "0", "--num-speculative-tokens", str(SPLIT_K),
     ], root / "drafter.log")
     target = None
     try:
@@ -536,7 +786,7 @@ def split_config(args, root: Path, target_dir: Path, drafter_dir: Path, prompts:
             "--model", str(target_dir), "--device", args.device, "--dtype", dtype, "--attention-backend", backend,
             "--kv-cache-dtype", kv_dtype, "--num-pages", "512", "--page-size", "16",
             "--max-num-batched-tokens", "256", "--port", "0", "--drafter", drafter.address,
-            "--num-speculative-tokens", "4",
+            "--num-speculative-tokens", str(SPLIT_K),
         ], root / "target.log")
         address = target.wait_serving(180)
         info = server_info(address)
@@ -563,7 +813,7 @@ def split_config(args, root: Path, target_dir: Path, drafter_dir: Path, prompts:
             (result["accepted_tokens"] + result["num_drafts"]) / result["num_drafts"], 3) if result["num_drafts"] else 0
         divergences = [_first_divergence(i, prompts[i], a[0], b[0])
                        for i, (a, b) in enumerate(zip(plain, spec)) if a[0] != b[0]]
-        if divergences and not exact:
+        if divergences:  # said for every config; an exact one fails on any divergence all the same
             _judge_near_ties(target_dir, divergences)
         result["divergences"] = divergences[:10]
         result["exit_codes"] = {"target": target.stop(), "drafter": drafter.stop()}
@@ -647,21 +897,23 @@ def materialize_random(module, dtype, device, std: float = 0.02, seed: int = 0) 
                 mod._buffers[name] = buf.to(device)
 
 
-def check_step_times(args: argparse.Namespace, budget: Budget, workdir: Path) -> dict:
+def check_step_times(args: argparse.Namespace, prior: dict) -> dict:
     import torch
 
     device = require_cuda(args)
-    rtt_server = start_ngram_drafter(workdir)  # starts while the model is built
+    rtt_server = start_ngram_drafter(args.workdir)  # starts while the model is built
     try:
-        result = step_times(args, budget, device)
-        budget.check("Propose round trip", 10.0)
+        result = step_times(args, device)
         result["propose_rtt"] = measure_propose_rtt(args, rtt_server, device)
     finally:
         rtt_server.stop()
         torch.cuda.empty_cache()
     t = result["times"]
+    demo_tau, source = demo_acceptance_length(prior)
+    result["demo_acceptance_length"] = {"tau": demo_tau, "from": source}
+    taus = (round(demo_tau, 2), *ACCEPTANCE_LENGTHS)
     result["projection"] = project_speedup(t["decode_1"]["median_ms"], t["verify_k_plus_1"]["median_ms"],
-                                           t["draft_step"]["median_ms"], result["propose_rtt"]["median_ms"])
+                                           t["draft_step"]["median_ms"], result["propose_rtt"]["median_ms"], taus)
     s = result["projection"]["speedup"]
     result["headline"] = (f"decode {t['decode_1']['median_ms']} ms, verify(K+1={args.num_speculative_tokens + 1}) "
                           f"{t['verify_k_plus_1']['median_ms']} ms, draft {t['draft_step']['median_ms']} ms, "
@@ -670,7 +922,17 @@ def check_step_times(args: argparse.Namespace, budget: Budget, workdir: Path) ->
     return result
 
 
-def step_times(args: argparse.Namespace, budget: Budget, device, kernels=None) -> dict:
+def demo_acceptance_length(prior: dict) -> tuple[float, str]:
+    """The demo pair's acceptance length: measured by this run's split_stack section (FlashInfer,
+    fp8 KV) when it passed, else the README's figure."""
+    section = prior.get("sections", {}).get("split_stack", {})
+    tau = section.get("acceptance_length") if section.get("ok") else None
+    if tau:
+        return float(tau), "split_stack section of this run"
+    return DEMO_ACCEPTANCE_LENGTH, "README (demo pair, K=8, held-out modules, CPU)"
+
+
+def step_times(args: argparse.Namespace, device, kernels=None) -> dict:
     """Build the two random models and time decode, verify and draft steps (`kernels`: a
     stand-in for flashinfer)."""
     import torch
@@ -698,7 +960,6 @@ def step_times(args: argparse.Namespace, budget: Budget, device, kernels=None) -
     materialize_random(draft, dtype, device, seed=1)
     draft.eval()
     built_s = round(time.monotonic() - start, 2)
-    budget.check("step times after building the models", 30.0)
 
     page = 16
     pages_per_seq = -(-(ctx + k + 1 + tau) // page)
@@ -711,12 +972,12 @@ def step_times(args: argparse.Namespace, budget: Budget, device, kernels=None) -
     )
     pool = PagePool.create(layout, device)
     try:
-        return _time_steps(args, budget, device, kernels, target, draft, layout, pool, layer_ids, built_s)
+        return _time_steps(args, device, kernels, target, draft, layout, pool, layer_ids, built_s)
     finally:
         pool.close()
 
 
-def _time_steps(args, budget: Budget, device, kernels, target, draft, layout, pool, layer_ids, built_s) -> dict:
+def _time_steps(args, device, kernels, target, draft, layout, pool, layer_ids, built_s) -> dict:
     import torch
 
     from common.attention_metadata import AttentionMetadata
@@ -776,7 +1037,6 @@ def _time_steps(args, budget: Budget, device, kernels, target, draft, layout, po
 
         times = {}
         for name, fn in (("decode_1", decode_step), ("verify_k_plus_1", verify_step), ("draft_step", draft_step)):
-            budget.check(f"timing {name}", 10.0)
             times[name] = time_ms(fn, args.iters, args.warmup, device)
     return {
         "shape": {"target_layers": args.target_layers, "draft_layers": args.draft_layers, "hidden": hidden,
