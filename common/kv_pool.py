@@ -120,15 +120,6 @@ class PagePool:
         storage = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device).untyped_storage()
         return cls(layout, storage, device)
 
-    @classmethod
-    def open_shm(cls, layout: KVLayout, path: str | Path) -> PagePool:
-        """Map an existing pool file (the drafter's side)."""
-        size = os.stat(path).st_size
-        if size < layout.total_bytes:
-            raise ValueError(f"KV pool file {path} holds {size} bytes, the layout needs {layout.total_bytes}")
-        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=layout.total_bytes)
-        return cls(layout, storage, torch.device("cpu"), None)
-
     def region(self, spec: LayerSpec) -> torch.Tensor:
         """[num_pages, 2, page_size, H, D] (NHD) or [num_pages, 2, H, page_size, D] (HND)."""
         nbytes = self.layout.region_bytes(spec)

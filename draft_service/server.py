@@ -46,6 +46,7 @@ from common.layout_proto import (
 )
 from common.metrics_http import metrics_host, start_metrics_server
 from common.pool_transport import Canary, TransportError, map_pool, read_canary, sync_for_handoff
+from common.shm_file import PoolAccessDenied
 from common.threads import apply_threads, drafter_threads
 from draft_service.drafters import (
     Drafter,
@@ -88,6 +89,7 @@ ERROR_STATUS: ErrorTable = (
     (LayoutNotResolvedError, grpc.StatusCode.FAILED_PRECONDITION),
     (LayoutResolutionError, grpc.StatusCode.FAILED_PRECONDITION),
     (TransportError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PoolAccessDenied, grpc.StatusCode.PERMISSION_DENIED),
     (HandshakeError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotReadyError, grpc.StatusCode.UNAVAILABLE),
 )
@@ -222,8 +224,9 @@ class DrafterHost:
         self._check_layout(drafter, layout)
         pool = None
         if drafter.needs_pool:
-            pool = map_pool(layout, request.pool)
-            self._check_pool(drafter, pool, request)
+            canary = self._requested_canary(request, layout)  # before the pool file is touched
+            pool = map_pool(layout, request.pool, drafter.cache_config.shm_dir, canary)
+            self._check_pool(drafter, pool, canary)
         drafter.bind(pool, layout)
         self.max_model_len = self.negotiated.target.max_model_len
         mapped = layout.total_bytes if pool is not None else 0
@@ -260,18 +263,22 @@ class DrafterHost:
                 raise InvalidArgumentError("layout.staging", "rows must be positive and end within total_bytes")
 
     @staticmethod
-    def _check_pool(drafter: Drafter, pool, request: dpb.AttachRequest) -> None:
+    def _requested_canary(request: dpb.AttachRequest, layout: KVLayout) -> Canary:
+        canary = request.canary
+        if not canary.value:
+            raise InvalidArgumentError("canary.value", "is required")
+        if canary.offset + len(canary.value) > layout.total_bytes:
+            message = f"{canary.offset} + {len(canary.value)} bytes pass the pool's end"
+            raise InvalidArgumentError("canary.offset", message)
+        return Canary(canary.offset, canary.value)
+
+    @staticmethod
+    def _check_pool(drafter: Drafter, pool, canary: Canary) -> None:
         if pool.device.type != drafter.device.type or (
             drafter.device.index is not None and pool.device.index != drafter.device.index
         ):
             raise HandshakeError(f"the pool lives on {pool.device}, the drafter runs on {drafter.device}")
-        canary = request.canary
-        if not canary.value:
-            raise InvalidArgumentError("canary.value", "is required")
-        if canary.offset + len(canary.value) > pool.layout.total_bytes:
-            message = f"{canary.offset} + {len(canary.value)} bytes pass the pool's end"
-            raise InvalidArgumentError("canary.offset", message)
-        if not read_canary(pool, Canary(canary.offset, canary.value)):
+        if not read_canary(pool, canary):
             raise HandshakeError(f"canary mismatch at byte {canary.offset}: the mapped pool is not the target's "
                                  "(wrong shm file or device?)")
 

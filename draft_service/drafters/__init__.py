@@ -45,6 +45,7 @@ class DrafterConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    shm_dir: str = "/dev/shm"  # the only folder a CPU pool file is mapped from (the target's --shm-dir)
 
     def __post_init__(self) -> None:
         if self.kind not in ("auto", *KINDS):
@@ -58,6 +59,8 @@ class DrafterConfig:
         if self.kv_cache_dtype not in CACHE_DTYPE_CHOICES:
             choices = ", ".join(CACHE_DTYPE_CHOICES)
             raise ValueError(f"kv cache dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
+        if not self.shm_dir:
+            raise ValueError("shm_dir must name a folder")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes need 1 <= min <= max, got min {self.ngram_min}, max {self.ngram_max}")
 
@@ -94,7 +97,7 @@ def _model_dtype(config: DrafterConfig, path: str) -> torch.dtype:
 
 def load_drafter(config: DrafterConfig) -> Drafter:
     kind = resolve_kind(config.kind, config.model)
-    cache = CacheConfig(cache_dtype=config.kv_cache_dtype)
+    cache = CacheConfig(cache_dtype=config.kv_cache_dtype, shm_dir=config.shm_dir)
     k = config.num_speculative_tokens
     if kind == "ngram":
         from draft_service.drafters.ngram import NgramDrafter
