@@ -525,7 +525,7 @@ def _first_handshake(core: EngineCore, wait_s: float) -> None:
     while not core.handshake():
         if time.monotonic() >= deadline or core.link.rejected:
             return
-        time.sleep(0.5)
+        core.link.wait_for_drafter(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 class AsyncEngine:
@@ -560,6 +560,8 @@ class AsyncEngine:
         await loop.run_in_executor(self._executor, self._core.warmup)
         self._wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
+        if (link := self._core.link) is not None and link.health is not None:  # handshake when it turns SERVING
+            link.health.on_news = lambda: loop.call_soon_threadsafe(self._notify)
 
     def stop_admitting(self) -> None:
         self._admitting = False
