@@ -5,14 +5,17 @@ tokens back to back, and sends `--repeat` requests whose `text` is `--text-mb` M
 (past any model length). Reports how long each took to be rejected, the longest gap
 between two chunks of the concurrent stream while they were in flight (against the
 longest gap before them), and the target's anonymous memory (RssAnon) before, after
-the first and after the last big request. `--source-dir` runs the target from another
+the first and after the last big request. `--no-text-bound` serves a copy of the model
+whose tokenizer normalizes with NFKC, for which no byte bound is provable: its texts are
+tokenized in full (off the event loop). `--source-dir` runs the target from another
 checkout (an older commit) with this script, for a before/after comparison. Usage:
-  python bench/hostile_inputs.py [--text-mb 12] [--repeat 5] [--source-dir DIR]
+  python bench/hostile_inputs.py [--text-mb 12] [--repeat 5] [--no-text-bound] [--source-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -127,6 +130,17 @@ class Streamer:
         return max(b - a for a, b in zip(edges, edges[1:]))
 
 
+def without_text_bound(model: Path, out_dir: Path) -> Path:
+    """A copy of `model` whose tokenizer normalizes with NFKC (which may shrink text
+    without limit, so no byte bound on what can fit is provable)."""
+    copy = out_dir / model.name
+    shutil.copytree(model, copy)
+    pipeline = json.loads((copy / "tokenizer.json").read_text())
+    pipeline["normalizer"] = {"type": "NFKC"}
+    (copy / "tokenizer.json").write_text(json.dumps(pipeline))
+    return copy
+
+
 def send_big(address: str, text: str) -> tuple[float, str]:
     """Seconds until the answer, and the answer (status and details, or OK)."""
     request = pb.GenerateRequest(text=text, stop=pb.StopParams(max_tokens=4))
@@ -148,14 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="big requests, one after the other")
     parser.add_argument("--baseline-s", type=float, default=3.0, help="streaming before the first big request")
     parser.add_argument("--source-dir", type=Path, default=REPO, help="run the target from this checkout")
+    parser.add_argument("--no-text-bound", action="store_true",
+                        help="serve the model with an NFKC tokenizer: texts are tokenized in full")
+    parser.add_argument("--settle-s", type=float, default=0.3, help="pause before reading the memory")
     args = parser.parse_args(argv)
 
     text = ("def fibonacci(n):\n    return n\n" * (int(args.text_mb * 1e6) // 31 + 1))[: int(args.text_mb * 1e6)]
     log_dir = Path(tempfile.mkdtemp(prefix="splitspec-hostile-"))
-    target = Target(args.source_dir.resolve(), args.model.resolve(), log_dir / "target.log")
+    model = without_text_bound(args.model.resolve(), log_dir) if args.no_text_bound else args.model.resolve()
+    target = Target(args.source_dir.resolve(), model, log_dir / "target.log")
     streamer = Streamer(target.address)
     try:
         send_big(target.address, STREAM_PROMPT)  # warm the server's paths up
+        time.sleep(args.settle_s)
         rss = [rss_anon_mib(target.proc.pid)]
         streamer.start()
         time.sleep(args.baseline_s)
@@ -163,19 +182,21 @@ def main(argv: list[str] | None = None) -> int:
         answers = []
         for _ in range(args.repeat):
             answers.append(send_big(target.address, text))
+            window_end = time.monotonic()
+            time.sleep(args.settle_s)
             rss.append(rss_anon_mib(target.proc.pid))
-        window_end = time.monotonic()
         time.sleep(1.0)
         streamer.stop()
         baseline_gap = streamer.longest_gap(window_start - args.baseline_s + 1.0, window_start)
-        stall = streamer.longest_gap(window_start, window_end)
+        stall = streamer.longest_gap(window_start, window_end)  # the settling pauses included
     finally:
         streamer.stop()
         target.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
 
     seconds = [s for s, _ in answers]
-    print(f"`python bench/hostile_inputs.py --text-mb {args.text_mb:g} --repeat {args.repeat}`"
+    flags = " --no-text-bound" if args.no_text_bound else ""
+    print(f"`python bench/hostile_inputs.py --text-mb {args.text_mb:g} --repeat {args.repeat}{flags}`"
           f"{' (target from ' + str(args.source_dir) + ')' if args.source_dir.resolve() != REPO else ''}")
     print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores; {args.model.name}")
     print(f"answer: {answers[0][1]}")
