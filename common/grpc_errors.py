@@ -6,11 +6,13 @@ exception's message, anything else is INTERNAL with a message that hides the det
 and points at the service's log, where the traceback goes. `ErrorMappingInterceptor`
 applies a mapper to every handler of the named services, and parses their requests
 itself: bytes that are not the method's message are INVALID_ARGUMENT (gRPC would answer
-UNKNOWN and log a traceback per call), logged once per burst.
+UNKNOWN and log a traceback per call), logged once per burst. After a large request the
+heap it freed goes back to the OS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -19,8 +21,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.memory import release_free_heap
+
 ErrorTable = tuple[tuple[type[BaseException], grpc.StatusCode], ...]
 Deserializer = Callable[[bytes], object] | None
+LARGE_REQUEST_BYTES = 1 << 20  # after a request this large, freed heap memory goes back to the OS
 
 
 class UndecodableRequestError(ValueError):
@@ -45,6 +50,12 @@ class BurstLog:
             message, args = f"{message} (and %d more in the last burst)", (*args, self._unlogged)
         logger.log(level, message, *args)
         self._last, self._unlogged = now, 0
+
+
+def release_heap_after_large(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+    """Once the call ends, return the heap its request freed to the OS (off the event loop)."""
+    if len(raw) >= LARGE_REQUEST_BYTES:
+        context.add_done_callback(lambda _: asyncio.get_running_loop().run_in_executor(None, release_free_heap))
 
 
 def parse_request(raw: bytes, deserialize: Deserializer):
@@ -111,6 +122,7 @@ class ErrorMapper:
                    undecodable: BurstLog | None = None):
         async def wrapper(raw, context):
             try:
+                release_heap_after_large(raw, context)
                 call = behavior(parse_request(raw, deserialize), context)
                 del raw  # see forget_frames: this frame outlives the call when it aborts
                 return await call
@@ -125,6 +137,7 @@ class ErrorMapper:
                     undecodable: BurstLog | None = None):
         async def wrapper(raw, context):
             try:
+                release_heap_after_large(raw, context)
                 responses = behavior(parse_request(raw, deserialize), context)
                 del raw  # see forget_frames: this frame outlives the call when it aborts
                 async for response in responses:

@@ -84,12 +84,9 @@ def prompt_token_ids(msg: pb.GenerateRequest, tokenizer, limits: PromptLimits) -
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input", "one of text, token_ids or chat is required")
-    if kind == "text":
-        ids = _encode_text(msg.text, tokenizer, limits)
-    elif kind == "token_ids":
-        ids = _token_ids(msg.token_ids)
-    else:
-        ids = _encode_chat(msg.chat, tokenizer, limits)
+    if kind == "token_ids":
+        return _token_ids(msg.token_ids, limits)
+    ids = _encode_text(msg.text, tokenizer, limits) if kind == "text" else _encode_chat(msg.chat, tokenizer, limits)
     _check_prompt_fits(f"input.{kind}", len(ids), limits.max_model_len)
     return ids
 
@@ -116,9 +113,10 @@ def _encode_text(text: str, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text))
 
 
-def _token_ids(ids: pb.TokenIds) -> tuple[int, ...]:
+def _token_ids(ids: pb.TokenIds, limits: PromptLimits) -> tuple[int, ...]:
     if not ids.ids:
         raise InvalidRequestError("input.token_ids", "must not be empty")
+    _check_prompt_fits("input.token_ids", len(ids.ids), limits.max_model_len)  # before copying them
     return tuple(ids.ids)  # the engine checks them against the vocabulary
 
 

@@ -28,7 +28,6 @@ from common.grpc_server import (
     server_options,
 )
 from common.kv_layout import LayoutNotResolvedError
-from common.memory import release_free_heap
 from common.metrics_http import metrics_host, start_metrics_server
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "splitspec.v1.Generation"
 REQUEST_ID_METADATA = "splitspec-request-id"
 MiB = 1 << 20
-LARGE_REQUEST_BYTES = MiB  # after a request this large, freed heap memory goes back to the OS
 
 
 class EngineNotReadyError(RuntimeError):
@@ -88,9 +86,10 @@ class PromptReader:
     """GenerateRequest → EngineRequest, tokenizing on a few threads of its own.
 
     Never on the event loop: a 12 MB text once took 12 s to tokenize there, and every
-    stream stopped meanwhile (the tokenizer releases the GIL). At most `threads` prompts
-    are tokenized at once, so a flood of long texts waits in line instead of fanning
-    memory out; text that cannot fit the model is refused before it is tokenized."""
+    stream stopped meanwhile; on a thread the others go on (the tokenizer releases the
+    GIL). At most `threads` prompts are tokenized at once, so a flood of long texts waits
+    in line instead of fanning memory out; text that cannot fit the model is refused
+    before it is tokenized."""
 
     def __init__(self, defaults: convert.RequestDefaults, threads: int = 2) -> None:
         self._defaults = defaults
@@ -107,13 +106,6 @@ class PromptReader:
             self._limits = convert.PromptLimits.of(engine.tokenizer(), engine.model_info)
         return convert.engine_request(msg, engine.tokenizer(), engine.model_info, self._defaults, self._limits)
 
-    def release_memory(self, context=None) -> None:
-        """After a large request: hand the heap pages it freed back (on a tokenizer thread)."""
-        try:
-            self._executor.submit(release_free_heap)
-        except RuntimeError:  # shut down
-            pass
-
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -125,8 +117,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self._slot.require()
-        if request.ByteSize() >= LARGE_REQUEST_BYTES:
-            context.add_done_callback(self.prompts.release_memory)
         engine_request = await self.prompts.read(request, engine)
         outputs = engine.generate(engine_request)
         # Closing the engine's iterator (on cancel, deadline or a failed write) frees the
