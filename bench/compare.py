@@ -183,7 +183,7 @@ def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, conc
 
 
 class DrafterProcess:
-    def __init__(self, kind: str, models: Path, token: str, log: Path) -> None:
+    def __init__(self, kind: str, models: Path, token: str, log: Path, shm_dir: str) -> None:
         port, metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -191,7 +191,7 @@ class DrafterProcess:
                  "dflash": ["--model", str(models / "dflash")]}[kind]
         cmd = [sys.executable, "-m", "draft_service.cli", "--kind", kind, *model, "--target-model",
                str(models / "target"), "--port", str(port), "--metrics-port", str(metrics_port),
-               "--log-level", "warning"]
+               "--shm-dir", shm_dir, "--log-level", "warning"]
         env = {**os.environ, "SPLITSPEC_INTERNAL_TOKEN": token}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -240,7 +240,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
         results.append(measure(core, 4, "splitspec, target only", prompts, new_tokens, c, repeat))
     core.close()
     for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
-        drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log")
+        drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp)
         try:
             core = build_engine_core(engine_config(models, tmp, k, drafter.address, token))
             if not core.link.ready:
@@ -253,7 +253,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
         finally:
             drafter.stop()
     local = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(models / "dflash"),
-                                           target_model=str(models / "target")))
+                                           target_model=str(models / "target"), shm_dir=tmp))
     core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused"), drafter_stub=local)
     core.warmup()
     for c in levels:

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     gaps = [float(g) / 1e3 for g in args.gaps_ms.split(",")]
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as tmp:
-        drafter = DrafterProcess("ngram", args.models, token, Path(tmp) / "ngram.log")
+        drafter = DrafterProcess("ngram", args.models, token, Path(tmp) / "ngram.log", tmp)
         try:
             core = build_engine_core(engine_config(args.models, tmp, k=8, drafter=drafter.address, token=token))
             if not core.link.ready:

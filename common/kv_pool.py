@@ -8,14 +8,21 @@ A pool file is stale when its owner is dead: the pid in its name is gone *and* n
 holds the exclusive `flock` its owner takes at creation and keeps until it exits (the
 kernel drops it on SIGKILL too). The lock covers what the pid cannot: targets in other
 pid namespaces sharing one /dev/shm (containers with `ipc: host` but their own pids).
+Only regular files of the target's own user are ever opened for that, without following
+links and without blocking (anyone can put a FIFO named like a pool file in /dev/shm).
+
+The pool's bytes are reserved when the file is created (`posix_fallocate`), so a shm
+dir too small for it is a startup error naming the sizes, not a SIGBUS on a later write.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,46 +51,90 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _owner_holds_lock(path: Path) -> bool:
-    """True while some process holds the pool file's lock (or the file cannot be checked)."""
+def _remove_if_stale(dir_fd: int, name: str) -> bool:
+    """Unlink `name` when it is a regular file of ours whose lock nobody holds.
+
+    Anyone may create files in /dev/shm (mode 1777), so the name proves nothing: a FIFO
+    would block a plain open forever and a link would lead anywhere. The file is looked
+    at without following links, opened without blocking, and unlinked only while we hold
+    its lock and the name still leads to the file we locked."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
+        seen = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.geteuid():
+            return False
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
-        return True  # not ours to judge (another user's file)
+        return False  # gone, or swapped for a link since
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner lives (in another pid namespace)
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+            return False
+        os.unlink(name, dir_fd=dir_fd)
         return True
+    except OSError:
+        return False
     finally:
-        os.close(fd)  # drops the lock we may have taken
-    return False
+        os.close(fd)  # drops the lock we took
 
 
 def remove_stale_shm_files(shm_dir: str | Path) -> list[Path]:
     """Remove pool files whose owning target process is gone; leave everything else."""
+    folder = Path(shm_dir)
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
     removed = []
-    for path in Path(shm_dir).glob(f"{SHM_PREFIX}*{SHM_SUFFIX}"):
-        match = _SHM_NAME.match(path.name)
-        if match is None or _pid_alive(int(match["pid"])) or _owner_holds_lock(path):
-            continue
-        try:
-            path.unlink()
-            removed.append(path)
-        except FileNotFoundError:
-            pass
+    try:
+        for name in sorted(os.listdir(dir_fd)):
+            match = _SHM_NAME.match(name)
+            if match is None or _pid_alive(int(match["pid"])):
+                continue
+            if _remove_if_stale(dir_fd, name):
+                removed.append(folder / name)
+    finally:
+        os.close(dir_fd)
     if removed:
         log.info("removed %d stale KV pool file(s) of dead targets from %s", len(removed), shm_dir)
     return removed
 
 
+class PoolSpaceError(OSError):
+    """The shm dir cannot hold the pool: a startup error naming the folder and the sizes."""
+
+
+def _reserve(fd: int, nbytes: int, folder: Path) -> None:
+    """Back every byte of the pool now. ftruncate alone makes a sparse file: on a full
+    tmpfs the first write to a page that does not fit kills the process with SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        vfs = os.statvfs(folder)
+        free = vfs.f_bavail * vfs.f_frsize
+        raise PoolSpaceError(
+            exc.errno,
+            f"the KV pool needs {nbytes / 2**20:.1f} MiB in {folder}, which has {free / 2**20:.1f} MiB free "
+            f"({os.strerror(exc.errno)}): lower --kv-cache-memory, --kv-cache-memory-fraction or --num-pages, "
+            "or give the folder more room (--shm-dir; docker: shm_size)",
+        ) from exc
+
+
 def _create_shm_storage(path: Path, nbytes: int) -> tuple[torch.UntypedStorage, int]:
     """The mapped storage and the open, exclusively locked fd that marks the file as owned."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        os.fchmod(fd, 0o600)  # whatever the umask: the drafter maps only a 0600 file
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.ftruncate(fd, nbytes)
+        _reserve(fd, nbytes, path.parent)
         return torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes), fd
     except BaseException:
         os.close(fd)
@@ -119,15 +170,6 @@ class PagePool:
         # zeroed: masked attention slots must never hold NaN bit patterns
         storage = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device).untyped_storage()
         return cls(layout, storage, device)
-
-    @classmethod
-    def open_shm(cls, layout: KVLayout, path: str | Path) -> PagePool:
-        """Map an existing pool file (the drafter's side)."""
-        size = os.stat(path).st_size
-        if size < layout.total_bytes:
-            raise ValueError(f"KV pool file {path} holds {size} bytes, the layout needs {layout.total_bytes}")
-        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=layout.total_bytes)
-        return cls(layout, storage, torch.device("cpu"), None)
 
     def region(self, spec: LayerSpec) -> torch.Tensor:
         """[num_pages, 2, page_size, H, D] (NHD) or [num_pages, 2, H, page_size, D] (HND)."""

@@ -33,11 +33,13 @@ import re
 import secrets
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from common.kv_layout import KVLayout
 from common.kv_pool import PagePool
+from common.shm_file import map_pool_file
 from splitspec.v1 import drafter_pb2 as dpb
 
 log = logging.getLogger(__name__)
@@ -325,19 +327,20 @@ class PoolExports:
 # The drafter's side: map
 
 
-def map_pool(layout: KVLayout, handle: dpb.PoolHandle) -> PagePool:
-    """The drafter's side: map the target's storage described by `handle`."""
+def map_pool(layout: KVLayout, handle: dpb.PoolHandle, shm_dir: str | Path = "/dev/shm",
+             canary: Canary | None = None) -> PagePool:
+    """The drafter's side: map the target's storage described by `handle`.
+
+    A shm file is mapped only from `shm_dir` and only when it holds `canary`
+    (common/shm_file.py); any other file is PoolAccessDenied."""
     kind = handle.WhichOneof("transport")
     if kind == "shm":
-        if handle.shm.size < layout.total_bytes:
+        if handle.shm.size != layout.total_bytes:
             raise TransportError(f"shm pool is {handle.shm.size} bytes, the layout needs {layout.total_bytes}")
-        try:
-            return PagePool.open_shm(layout, handle.shm.path)
-        except OSError as exc:
-            raise TransportError(
-                f"cannot map the target's KV pool {handle.shm.path}: {exc}; the drafter must share the target's "
-                "/dev/shm (same host, or ipc: host between containers) and run as the same user"
-            ) from exc
+        if canary is None:
+            raise TransportError("a shm pool is mapped only with the target's canary")
+        storage = map_pool_file(shm_dir, handle.shm.path, layout.total_bytes, canary.offset, canary.value)
+        return PagePool(layout, storage, torch.device("cpu"))
     if kind == "cuda_ipc":
         return _map_cuda(layout, handle.cuda_ipc)
     raise TransportError("the pool handle names no transport")

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ngram-max", type=positive_int, default=4, help="longest n-gram to match")
     add_threads_arg(model, "1 on a CPU, where the target owns the cores; torch's on a GPU")
 
+    model.add_argument("--shm-dir", default="/dev/shm",
+                       help="the target's --shm-dir: the only folder the drafter maps a CPU pool file from")
     model.add_argument("--attention-backend", default="auto", choices=BACKEND_CHOICES,
                        help="auto: FlashInfer on CUDA when it fits the model, else torch")
     srv = p.add_argument_group("server")
@@ -68,6 +70,7 @@ def serve_config(args: argparse.Namespace):
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         attention_backend=args.attention_backend,
+        shm_dir=args.shm_dir,
     )
     return DraftServeConfig(
         drafter=drafter,

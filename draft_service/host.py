@@ -191,7 +191,8 @@ class DrafterHost:
         self._check_layout(drafter, layout)
         pool = None
         if drafter.needs_pool:
-            pool = map_pool(layout, args.pool_handle)
+            self._check_canary_fits(args.canary, layout)  # before the pool file is touched
+            pool = map_pool(layout, args.pool_handle, drafter.cache_config.shm_dir, args.canary)
             self.mapped_exports.record(layout.target_id, layout.epoch)
             self._check_pool(drafter, pool, args.canary)
         drafter.bind(pool, layout)
@@ -237,16 +238,19 @@ class DrafterHost:
                 raise InvalidArgumentError("layout.staging", "rows must be positive and end within total_bytes")
 
     @staticmethod
+    def _check_canary_fits(canary: Canary, layout: KVLayout) -> None:
+        if not canary.value:
+            raise InvalidArgumentError("canary.value", "is required")
+        if canary.offset + len(canary.value) > layout.total_bytes:
+            message = f"{canary.offset} + {len(canary.value)} bytes pass the pool's end"
+            raise InvalidArgumentError("canary.offset", message)
+
+    @staticmethod
     def _check_pool(drafter: Drafter, pool, canary: Canary) -> None:
         if pool.device.type != drafter.device.type or (
             drafter.device.index is not None and pool.device.index != drafter.device.index
         ):
             raise HandshakeError(f"the pool lives on {pool.device}, the drafter runs on {drafter.device}")
-        if not canary.value:
-            raise InvalidArgumentError("canary.value", "is required")
-        if canary.offset + len(canary.value) > pool.layout.total_bytes:
-            message = f"{canary.offset} + {len(canary.value)} bytes pass the pool's end"
-            raise InvalidArgumentError("canary.offset", message)
         if not read_canary(pool, canary):
             raise HandshakeError(f"canary mismatch at byte {canary.offset}: the mapped pool is not the target's "
                                  "(wrong shm file or device?)")

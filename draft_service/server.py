@@ -27,6 +27,7 @@ from common.grpc_server import (
 from common.kv_layout import LayoutNotResolvedError, LayoutResolutionError
 from common.metrics_http import check_metrics_port, metrics_host, start_metrics_server
 from common.pool_transport import TransportError
+from common.shm_file import PoolAccessDenied
 from common.threads import apply_threads, drafter_threads
 from draft_service import convert
 from draft_service.drafters import DrafterConfig, IncompatibleTargetError, load_drafter
@@ -44,6 +45,7 @@ ERROR_STATUS: ErrorTable = (
     (LayoutNotResolvedError, grpc.StatusCode.FAILED_PRECONDITION),
     (LayoutResolutionError, grpc.StatusCode.FAILED_PRECONDITION),
     (TransportError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PoolAccessDenied, grpc.StatusCode.PERMISSION_DENIED),
     (HandshakeError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotReadyError, grpc.StatusCode.UNAVAILABLE),
 )

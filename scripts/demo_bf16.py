@@ -5,7 +5,7 @@
 
 The bundled demo pair travels with every checkout (and to the GPU machine, where all that
 is sent must stay under 64 MiB), so scripts/train_demo.py stores it this way. The loaders
-cast on load (common/weights.py, common/qwen3.py, common/dflash.py): on a CPU the services
+cast on load (common/weights.py, common/qwen3.py, draft_service/dflash_model.py): on a CPU the services
 still compute in float32, from the bf16 values; `--dtype auto` on a GPU picks bfloat16 from
 config.json. transformers and the `dflash` package load the files as they are.
 """

@@ -205,7 +205,7 @@ def drafter_args(args: argparse.Namespace, target_dir: Path, draft_dir: Path | N
     model = ["--model", str(draft_dir)] if draft_dir is not None else []
     return ["--kind", args.drafter, *model, "--target-model", str(target_dir), "--host", "127.0.0.1",
             "--port", str(port), "--num-speculative-tokens", str(args.num_speculative_tokens),
-            "--log-level", args.log_level]
+            "--shm-dir", args.shm_dir, "--log-level", args.log_level]
 
 
 def target_args(args: argparse.Namespace, target_dir: Path, drafter_address: str | None, port: int) -> list[str]:

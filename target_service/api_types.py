@@ -150,6 +150,9 @@ def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:
     ids = request.prompt_token_ids
     if not ids:
         raise InvalidRequestError("input", "the prompt is empty")
+    if len(ids) >= info.max_model_len:  # the prompt alone cannot fit: its field, not max_tokens, is at fault
+        raise InvalidRequestError("input.token_ids", f"the prompt is {len(ids)} tokens; the model length is "
+                                  f"{info.max_model_len}, including at least one token to generate")
     bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise InvalidRequestError("input.token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")

@@ -64,6 +64,9 @@ class AsyncEngine:
         await self.run_on_engine_thread(self._core.warmup)
         self._wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
+        if (link := self._core.link) is not None and link.health is not None:  # handshake when it turns SERVING
+            loop = asyncio.get_running_loop()
+            link.health.on_news = lambda: loop.call_soon_threadsafe(self._notify)
 
     async def run_on_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine's one thread, between steps (where torch's thread settings apply)."""

@@ -2,7 +2,9 @@
 
 Conversion only maps fields; the dataclasses validate themselves and name the public
 field (e.g. "sampling.top_p") in the `InvalidRequestError` they raise. The only checks
-here are the ones that need the tokenizer (the input oneof, the chat template).
+here are the ones that need the tokenizer (the input oneof, the chat template) and the
+prompt's length against the model's, which names the input field and comes before any
+tokenizing it can spare (`PromptLimits.max_text_bytes`, see prompt_bound.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt must fit: the model length and, when provable for the tokenizer, the
+    longest text that can still fit it (a longer one is refused before tokenizing)."""
+
+    max_model_len: int
+    max_text_bytes: int | None = None  # None: no early refusal
+
+    @classmethod
+    def of(cls, tokenizer, info: ModelInfo) -> PromptLimits:
+        from target_service.prompt_bound import text_byte_bound
+
+        return cls(info.max_model_len, text_byte_bound(tokenizer, info.max_model_len))
+
+
+@dataclass(frozen=True)
 class RequestDefaults:
     """Server-side defaults for fields a client may leave unset."""
 
@@ -41,9 +58,9 @@ class RequestDefaults:
 
 
 def engine_request(msg: pb.GenerateRequest, tokenizer, model_info: ModelInfo,
-                   defaults: RequestDefaults = RequestDefaults()) -> EngineRequest:
+                   defaults: RequestDefaults = RequestDefaults(), limits: PromptLimits | None = None) -> EngineRequest:
     """A validated `EngineRequest` from a `GenerateRequest`."""
-    prompt = prompt_token_ids(msg, tokenizer)
+    prompt = prompt_token_ids(msg, tokenizer, limits or PromptLimits(model_info.max_model_len))
     return EngineRequest(
         request_id=request_id(msg.request_id),
         prompt_token_ids=prompt,
@@ -62,30 +79,48 @@ def request_id(given: str) -> str:
     return given or uuid.uuid4().hex
 
 
-def prompt_token_ids(msg: pb.GenerateRequest, tokenizer) -> tuple[int, ...]:
+def prompt_token_ids(msg: pb.GenerateRequest, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
+    """The prompt's ids, refused naming the input field when it cannot fit the model."""
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input", "one of text, token_ids or chat is required")
-    if kind == "text":
-        return _encode_text(msg.text, tokenizer)
     if kind == "token_ids":
-        return _token_ids(msg.token_ids)
-    return _encode_chat(msg.chat, tokenizer)
+        return _token_ids(msg.token_ids, limits)
+    ids = _encode_text(msg.text, tokenizer, limits) if kind == "text" else _encode_chat(msg.chat, tokenizer, limits)
+    _check_prompt_fits(f"input.{kind}", len(ids), limits.max_model_len)
+    return ids
 
 
-def _encode_text(text: str, tokenizer) -> tuple[int, ...]:
+def _check_prompt_fits(field_name: str, num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(field_name, f"the prompt is {num_tokens} tokens; the model length is "
+                                  f"{max_model_len}, including at least one token to generate")
+
+
+def _check_text_fits(field_name: str, text: str, limits: PromptLimits) -> None:
+    """Refuse text too long to fit before tokenizing it (a character is at least a byte)."""
+    limit = limits.max_text_bytes
+    if limit is None or (len(text) <= limit and len(text.encode()) <= limit):
+        return
+    raise InvalidRequestError(field_name, f"more than {limit} bytes of text cannot fit the model length "
+                              f"{limits.max_model_len} with this tokenizer (refused before tokenizing)")
+
+
+def _encode_text(text: str, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
     if not text:
         raise InvalidRequestError("input.text", "must not be empty")
+    _check_text_fits("input.text", text, limits)
     return tuple(tokenizer.encode(text))
 
 
-def _token_ids(ids: pb.TokenIds) -> tuple[int, ...]:
+def _token_ids(ids: pb.TokenIds, limits: PromptLimits) -> tuple[int, ...]:
     if not ids.ids:
         raise InvalidRequestError("input.token_ids", "must not be empty")
+    _check_prompt_fits("input.token_ids", len(ids.ids), limits.max_model_len)  # before copying them
     return tuple(ids.ids)  # the engine checks them against the vocabulary
 
 
-def _encode_chat(chat: pb.ChatMessages, tokenizer) -> tuple[int, ...]:
+def _encode_chat(chat: pb.ChatMessages, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
     if not chat.messages:
         raise InvalidRequestError("input.chat.messages", "must not be empty")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
@@ -94,6 +129,7 @@ def _encode_chat(chat: pb.ChatMessages, tokenizer) -> tuple[int, ...]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, tokenize=False)
     except Exception as exc:  # jinja raises for roles or orders a template refuses
         raise InvalidRequestError("input.chat", f"the chat template rejected the messages: {exc}") from exc
+    _check_text_fits("input.chat", text, limits)  # the rendered text is what gets tokenized
     ids = tuple(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise InvalidRequestError("input.chat", "the rendered chat is empty")

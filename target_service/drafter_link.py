@@ -5,16 +5,24 @@ deadline, an error, garbage) turns the link UNAVAILABLE: the step runs without
 speculation and the engine re-handshakes later with exponential backoff. Every
 re-handshake bumps the epoch, so the drafter drops all state of the old one. The epoch and
 target id live in the pool's layout (target_service/handshake.py), not here.
+
+Beside that backoff, a `DrafterHealthWatch` follows the drafter's grpc.health.v1 status:
+a drafter that turns SERVING (done loading its model, or back after a restart) is
+handshaken at once instead of at the next backoff retry (up to 30 s later), and while it
+reports NOT_SERVING no handshake is spent on it.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import auth_metadata
 from common.drafter_facts import DrafterFacts
@@ -23,6 +31,10 @@ from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 
 log = logging.getLogger(__name__)
+
+DRAFTER_SERVICE = dpb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "splitspec.v1.Drafter"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class LinkState(enum.Enum):
@@ -55,6 +67,68 @@ class DrafterLinkConfig:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
 
 
+class DrafterHealthWatch:
+    """The drafter's health status, followed on a thread through a streaming Watch call.
+
+    The call waits for the channel to connect (a drafter that is not up yet costs nothing),
+    and is made again whenever it ends (the drafter went away); closing the channel ends
+    it for good. `status` is the last one reported, None while not connected. A change to
+    SERVING is news: kept until a handshake takes it, and announced through `on_news`."""
+
+    RETRY_S = 0.5  # between two Watch calls, when one ends
+
+    def __init__(self, channel: grpc.Channel, address: str, on_news: Callable[[], None] | None = None) -> None:
+        self.address = address
+        self.on_news = on_news
+        self.status: int | None = None
+        self._news = threading.Event()
+        self._closed = threading.Event()
+        self._stub = health_pb2_grpc.HealthStub(channel)
+        self._thread = threading.Thread(target=self._run, name="drafter-health", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        request = health_pb2.HealthCheckRequest(service=DRAFTER_SERVICE)
+        while not self._closed.is_set():
+            try:
+                for reply in self._stub.Watch(request, wait_for_ready=True):
+                    self._update(reply.status)
+            except grpc.RpcError as exc:  # the drafter went away, or the channel closed
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("drafter %s serves no health service: retrying on the backoff only", self.address)
+                    return
+            self._update(None)
+            self._closed.wait(self.RETRY_S)
+
+    def _update(self, status: int | None) -> None:
+        became_serving = status == SERVING and self.status != SERVING
+        self.status = status
+        if became_serving and not self._closed.is_set():
+            log.info("drafter %s reports SERVING", self.address)
+            self._news.set()
+            if self.on_news is not None:
+                try:
+                    self.on_news()
+                except RuntimeError:  # the engine's event loop is gone: it is stopping
+                    pass
+
+    @property
+    def has_news(self) -> bool:
+        return self._news.is_set()
+
+    def take_news(self) -> bool:
+        news = self._news.is_set()
+        self._news.clear()
+        return news
+
+    def wait_for_news(self, timeout_s: float) -> bool:
+        return self._news.wait(timeout_s)
+
+    def close(self) -> None:
+        self._closed.set()  # the channel's close ends the Watch call; the thread then exits
+        self._thread.join(timeout=5.0)
+
+
 @dataclass
 class DrafterLink:
     config: DrafterLinkConfig
@@ -72,6 +146,7 @@ class DrafterLink:
     # Anything with the DrafterStub methods; a gRPC stub unless one is given (benchmarks
     # pass an in-process stub to measure what the split itself costs).
     _stub: dpb_grpc.DrafterStub | None = field(default=None, repr=False)
+    health: DrafterHealthWatch | None = field(default=None, repr=False)  # None for an in-process stub
 
     def __post_init__(self) -> None:
         self._backoff = self.config.backoff_initial_s
@@ -84,6 +159,7 @@ class DrafterLink:
                    ("grpc.enable_retries", 0)]
         self._channel = grpc.insecure_channel(self.config.address, options=options)
         self._stub = dpb_grpc.DrafterStub(self._channel)
+        self.health = DrafterHealthWatch(self._channel, self.config.address)
 
     @property
     def ready(self) -> bool:
@@ -98,10 +174,27 @@ class DrafterLink:
         self.serving = True
 
     def due_for_handshake(self) -> bool:
-        return self.state in (LinkState.CONNECTING, LinkState.UNAVAILABLE) and time.monotonic() >= self._next_attempt
+        """Not ready, and the drafter just turned SERVING or the backoff is over (unless
+        the drafter says it is not serving: a handshake would only fail)."""
+        if self.state not in (LinkState.CONNECTING, LinkState.UNAVAILABLE):
+            return False
+        if self.health is not None and self.health.has_news:
+            return True
+        if self.health is not None and self.health.status == NOT_SERVING:
+            return False
+        return time.monotonic() >= self._next_attempt
 
     def seconds_until_retry(self) -> float:
+        if self.health is not None and self.health.has_news:
+            return 0.0
         return max(0.0, self._next_attempt - time.monotonic())
+
+    def wait_for_drafter(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s`, less when the drafter turns SERVING meanwhile."""
+        if self.health is None:
+            time.sleep(timeout_s)
+        else:
+            self.health.wait_for_news(timeout_s)
 
     @property
     def handshake_timeout_s(self) -> float:
@@ -114,6 +207,10 @@ class DrafterLink:
         return min(self.config.handshake_timeout_s, max(1.0, self.config.propose_timeout_s))
 
     def negotiate(self, request: dpb.NegotiateRequest) -> DrafterFacts:
+        early = self._next_attempt - time.monotonic()
+        if self.health is not None and self.health.take_news() and early > 0:
+            log.info("drafter %s is SERVING: handshaking now, %.1f s before the backoff's retry",
+                     self.config.address, early)
         try:
             reply = self._stub.Negotiate(request, timeout=self.handshake_timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
@@ -146,6 +243,8 @@ class DrafterLink:
     def mark_ready(self, facts: DrafterFacts, epoch: int) -> None:
         self.facts = facts
         self.state, self.detail = LinkState.READY, ""
+        if self.health is not None:
+            self.health.take_news()  # whatever it said is acted on
         self._backoff = self.config.backoff_initial_s
         log.info("drafter %s ready: %s, K=%d, epoch %d", self.config.address, facts.kind,
                  facts.num_speculative_tokens, epoch)
@@ -174,6 +273,8 @@ class DrafterLink:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
+        if self.health is not None:
+            self.health.close()
 
 
 def describe_rpc_error(exc: Exception) -> str:

@@ -120,4 +120,4 @@ def _first_handshake(core: EngineCore, wait_s: float) -> None:
     while not core.handshake():
         if time.monotonic() >= deadline or core.link.rejected:
             return
-        time.sleep(0.5)
+        core.link.wait_for_drafter(min(0.5, max(0.0, deadline - time.monotonic())))

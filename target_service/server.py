@@ -9,6 +9,7 @@ place: `ERRORS` (common/grpc_errors.py) applied by an `ErrorMappingInterceptor`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import re
@@ -32,7 +33,13 @@ from splitspec.contract import REQUEST_ID_METADATA
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service import convert
-from target_service.api_types import EngineClient, InvalidRequestError, QueueFullError, ShuttingDownError
+from target_service.api_types import (
+    EngineClient,
+    EngineRequest,
+    InvalidRequestError,
+    QueueFullError,
+    ShuttingDownError,
+)
 from target_service.async_engine import AsyncEngine
 from target_service.config import EngineConfig
 
@@ -76,15 +83,42 @@ class EngineSlot:
         return self._engine
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, slot: EngineSlot, defaults: convert.RequestDefaults) -> None:
-        self._slot = slot
+class PromptReader:
+    """GenerateRequest → EngineRequest, tokenizing on a few threads of its own.
+
+    Never on the event loop: a 12 MB text once took 12 s to tokenize there, and every
+    stream stopped meanwhile; on a thread the others go on (the tokenizer releases the
+    GIL). At most `threads` prompts are tokenized at once, so a flood of long texts waits
+    in line instead of fanning memory out; text that cannot fit the model is refused
+    before it is tokenized."""
+
+    def __init__(self, defaults: convert.RequestDefaults, threads: int = 2) -> None:
         self._defaults = defaults
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._limits: convert.PromptLimits | None = None
+
+    async def read(self, msg: pb.GenerateRequest, engine: EngineClient) -> EngineRequest:
+        if msg.WhichOneof("input") not in ("text", "chat"):
+            return self._convert(msg, engine)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._convert, msg, engine)
+
+    def _convert(self, msg: pb.GenerateRequest, engine: EngineClient) -> EngineRequest:
+        if self._limits is None:  # once per server; racing threads compute the same value
+            self._limits = convert.PromptLimits.of(engine.tokenizer(), engine.model_info)
+        return convert.engine_request(msg, engine.tokenizer(), engine.model_info, self._defaults, self._limits)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, slot: EngineSlot, defaults: convert.RequestDefaults, tokenize_threads: int = 2) -> None:
+        self._slot = slot
+        self.prompts = PromptReader(defaults, tokenize_threads)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self._slot.require()
-        tokenizer, info = engine.tokenizer(), engine.model_info
-        engine_request = convert.engine_request(request, tokenizer, info, self._defaults)
+        engine_request = await self.prompts.read(request, engine)
         outputs = engine.generate(engine_request)
         # Closing the engine's iterator (on cancel, deadline or a failed write) frees the
         # sequence and its pages at the next step.
@@ -153,9 +187,12 @@ class ServeConfig:
     metrics_host: str | None = None  # None → the gRPC host
     metrics_port: int = 9400  # 0 → no metrics endpoint
     tls: TLSConfig | None = None  # None → plaintext
+    tokenize_threads: int = 2  # prompts tokenized at once, off the event loop
 
     def __post_init__(self) -> None:
         check_listen_config(self.port, self.max_message_bytes, self.shutdown_grace_s)
+        if self.tokenize_threads <= 0:
+            raise ValueError(f"tokenize_threads must be positive, got {self.tokenize_threads}")
         check_metrics_port(self.metrics_port)
 
     @property
@@ -169,6 +206,7 @@ class RunningServer:
     health: HealthReporter
     slot: EngineSlot
     port: int
+    servicer: GenerationServicer
 
 
 async def start_server(config: ServeConfig) -> RunningServer:
@@ -176,13 +214,14 @@ async def start_server(config: ServeConfig) -> RunningServer:
     interceptors = [ErrorMappingInterceptor(ERRORS, (SERVICE_NAME,))]
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
     slot = EngineSlot()
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(slot, config.defaults), server)
+    servicer = GenerationServicer(slot, config.defaults, config.tokenize_threads)
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
     health = HealthReporter(server, SERVICE_NAME)
     if config.tls is not None:
         port = server.add_secure_port(config.address, config.tls.credentials())
     else:
         port = server.add_insecure_port(config.address)
-    running = RunningServer(server, health, slot, port)
+    running = RunningServer(server, health, slot, port, servicer)
     await running.health.set_serving(False)
     await server.start()
     log.info("splitspec-target listening on %s:%d%s", config.host, running.port,
@@ -214,6 +253,7 @@ async def _drain(running: RunningServer, engine: AsyncEngine | None, grace_s: fl
         reserve = min(1.0, grace_s / 10)  # time left for the aborted streams to send Complete
         await engine.shutdown(max(0.0, grace_s - reserve))
     await running.server.stop(max(0.0, started + grace_s - loop.time()))
+    running.servicer.prompts.close()
     log.info("drained in %.2f s (grace %.1f s)", loop.time() - started, grace_s)
 
 

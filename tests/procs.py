@@ -178,12 +178,12 @@ def wait_idle(address: str, timeout: float = 30.0):
         time.sleep(0.05)
 
 
-def rss_kib(pid: int) -> int:
-    """Resident set size of a process (VmRSS), KiB."""
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """Resident set size of a process (VmRSS; RssAnon: its anonymous memory only), KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def scrape_metrics(port: int) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """The drafter through real `splitspec-draft` processes, one per kind (ngram, draft_model,
 dflash), driven by a test client that plays the target: it lays out a pool with its own
-layers, the drafter's layers and a staging buffer, creates it in a private shm folder
-under tmp, writes the canary, and calls Negotiate / Attach / Propose / Release.
+layers, the drafter's layers and a staging buffer, creates it in the private shm folder
+the drafters are confined to (`--shm-dir`), writes the canary, and calls Negotiate / Attach / Propose / Release.
 
 Expected drafts come from independent code: a hand-checked prompt lookup, a greedy
 loop over the draft checkpoint in transformers, and z-lab's `dflash.model` reference
@@ -11,6 +11,7 @@ fed the hidden states of the target in transformers.
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from draft_service.drafters.ngram import ngram_lookup
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
-from tests.procs import TOKEN, Service, free_port, pool_files, scrape_metrics
+from tests.procs import TOKEN, Service, free_port, pool_files, private_shm_dir, scrape_metrics
 from tests.tiny_models import PROMPTS, make_qwen3, qwen3_config
 
 PAGE_SIZE = 4
@@ -88,27 +89,36 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
 # ---------------------------------------------------------------- drafter processes
 
 
-def start_drafter(kind: str, args: list[str], log_path: Path, token_file: Path) -> Service:
+def start_drafter(kind: str, args: list[str], log_path: Path, token_file: Path, shm_dir: Path) -> Service:
     args = ["--port", "0", "--internal-token-file", str(token_file), "--kind", kind,
-            "--num-speculative-tokens", str(K), *args]
+            "--num-speculative-tokens", str(K), "--shm-dir", str(shm_dir), *args]
     return Service("draft_service.cli", args, log_path, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
-def drafters(checkpoints, tmp_path_factory):
+def drafters_shm_dir():
+    """The pool folder of the test targets, the one the drafters map pools from."""
+    path = private_shm_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def drafters(checkpoints, tmp_path_factory, drafters_shm_dir):
     """One drafter process per kind, started together."""
     root = tmp_path_factory.mktemp("drafters")
     token_file = root / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     procs = {
-        "ngram": start_drafter("ngram", ["--ngram-min", "1", "--ngram-max", "3"], root / "ngram.log", token_file),
+        "ngram": start_drafter("ngram", ["--ngram-min", "1", "--ngram-max", "3"], root / "ngram.log", token_file,
+                               drafters_shm_dir),
         "draft_model": start_drafter(
-            "draft_model", ["--model", str(checkpoints.draft)], root / "draft.log", token_file
+            "draft_model", ["--model", str(checkpoints.draft)], root / "draft.log", token_file, drafters_shm_dir
         ),
         "dflash": start_drafter(
             "dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target)],
-            root / "dflash.log", token_file,
+            root / "dflash.log", token_file, drafters_shm_dir,
         ),
     }
     try:
@@ -221,18 +231,18 @@ class FakeTarget:
 
 
 @pytest.fixture
-def target_for(drafters, checkpoints, tmp_path):
+def target_for(drafters, checkpoints, drafters_shm_dir):
     made: list[FakeTarget] = []
 
     def make(kind: str) -> FakeTarget:
-        fake = FakeTarget(drafters[kind].address, tmp_path, checkpoints)
+        fake = FakeTarget(drafters[kind].address, drafters_shm_dir, checkpoints)
         made.append(fake)
         return fake
 
     yield make
     for fake in made:
         fake.close()
-    assert not pool_files(tmp_path), "the test target left pool files behind"
+    assert not pool_files(drafters_shm_dir), "the test target left pool files behind"
 
 
 def rpc_error(call) -> grpc.RpcError:
@@ -349,14 +359,14 @@ def test_a_cuda_target_on_another_torch_build_is_refused_before_any_handle(targe
 def test_attach_says_which_unconfirmed_exports_it_mapped(target_for):
     fake = target_for("draft_model")
     fake.negotiate()
-    error = rpc_error(lambda: fake.attach(epoch=1, bad_canary=True))  # mapped, then refused
-    assert error.code() == FAILED_PRECONDITION
-    answer = fake.attach(epoch=2, unconfirmed=(1, 7))  # 7: an Attach that never reached it
-    assert list(answer.mapped_epochs) == [1]
+    error = rpc_error(lambda: fake.attach(epoch=1, bad_canary=True))  # a shm file opens only with the canary
+    assert error.code() == PERMISSION_DENIED
+    answer = fake.attach(epoch=2, unconfirmed=(1, 7))  # 1: refused before mapping; 7: never reached it
+    assert list(answer.mapped_epochs) == []
     error = rpc_error(lambda: fake.attach(epoch=3, unconfirmed=tuple(range(1025))))
     assert error.code() == INVALID_ARGUMENT and "unconfirmed_epochs" in error.details()
     assert len(fake.propose(2, [fake.update(Seq(1), [5, 6, 7, 8], 9)])[1]) == K  # epoch 2 still served
-    assert list(fake.attach(epoch=4, unconfirmed=(1, 3)).mapped_epochs) == [1]
+    assert list(fake.attach(epoch=4, unconfirmed=(2, 3)).mapped_epochs) == [2]  # 2 mapped; 3 refused
 
 
 def test_attach_warms_the_attention_backend_on_scratch_pages_before_answering(checkpoints, tmp_path):
@@ -389,11 +399,11 @@ def test_attach_warms_the_attention_backend_on_scratch_pages_before_answering(ch
         proc.stop(timeout=20)
 
 
-def test_wrong_canary_and_stale_epoch_are_failed_precondition(target_for):
+def test_wrong_canary_is_permission_denied_and_a_stale_epoch_failed_precondition(target_for):
     fake = target_for("draft_model")
     fake.negotiate()
-    error = rpc_error(lambda: fake.attach(epoch=1, bad_canary=True))
-    assert error.code() == FAILED_PRECONDITION and "canary" in error.details()
+    error = rpc_error(lambda: fake.attach(epoch=1, bad_canary=True))  # the canary says: not the target's pool
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     answer = fake.attach(epoch=2)
     assert (answer.target_id, answer.epoch) == (fake.target_id, 2)
     assert answer.mapped_bytes == fake.pool.layout.total_bytes

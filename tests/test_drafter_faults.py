@@ -89,7 +89,7 @@ def metric(port: int, name: str) -> float:
 
 def test_slow_and_hung_drafter_fall_back_then_recover(models, shm_dir, tmp_path):
     target_model, draft_model = models
-    drafter = Service("draft_service.cli", ["--model", str(draft_model), "--port", "0",
+    drafter = Service("draft_service.cli", ["--model", str(draft_model), "--port", "0", "--shm-dir", str(shm_dir),
                                             "--num-speculative-tokens", "4"], tmp_path / "drafter.log")
     target = None
     try:

@@ -62,9 +62,9 @@ def test_auto_falls_back_to_torch_with_one_line_saying_why(monkeypatch, caplog):
     """flashinfer imports, the model fits its kernels, but nothing can build them."""
     monkeypatch.setattr(fib, "flashinfer_import_error", lambda: None)
     monkeypatch.setattr(probe, "gather_facts", lambda head_dims, q, kv: facts(), raising=False)
-    with caplog.at_level(logging.WARNING, logger="common.attention"):
+    with caplog.at_level(logging.WARNING, logger="common.attention_backends"):
         assert select_backend("auto", CUDA, **FITS) is TorchAttentionBackend
-    lines = [r.getMessage() for r in caplog.records if r.name == "common.attention"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "common.attention_backends"]
     assert len(lines) == 1 and "no CUDA compiler" in lines[0] and "using the torch backend" in lines[0]
     with pytest.raises(ValueError, match="not available: no CUDA compiler"):
         select_backend("flashinfer", CUDA, **FITS)

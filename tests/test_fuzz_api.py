@@ -149,9 +149,18 @@ class Invalid(Exception):
 
 
 def _prompt(msg: pb.GenerateRequest, tokenizer) -> list[int]:
+    """The prompt's ids; Invalid naming the input field when it is missing, empty, or too
+    long to leave one token to generate."""
     kind = msg.WhichOneof("input")
     if kind is None:
         raise Invalid("input")
+    prompt = _encode_input(msg, kind, tokenizer)
+    if len(prompt) >= MODEL_LEN:
+        raise Invalid(f"input.{kind}")
+    return prompt
+
+
+def _encode_input(msg: pb.GenerateRequest, kind: str, tokenizer) -> list[int]:
     if kind == "text":
         if not msg.text:
             raise Invalid("input.text")

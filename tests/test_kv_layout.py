@@ -17,6 +17,8 @@ from common.kv_layout import (
     resolve_order,
 )
 from common.kv_pool import PagePool, remove_stale_shm_files
+from common.pool_transport import write_canary
+from common.shm_file import map_pool_file
 
 
 def _layout(order="NHD", kv_dtype="float32", **kw):
@@ -101,7 +103,9 @@ def test_pool_is_one_private_shm_file_shared_by_a_second_mapping(tmp_path, order
     region[3, 1].fill_(1.5)
     pool.staging()[2].fill_(7.0)
 
-    other = PagePool.open_shm(layout, path)  # what the drafter will do
+    canary = write_canary(pool)
+    storage = map_pool_file(tmp_path, str(path), layout.total_bytes, canary.offset, canary.value)  # the drafter's
+    other = PagePool(layout, storage, torch.device("cpu"))
     assert torch.equal(other.region(layout.layer("target", 1))[3, 1].float(), torch.full_like(region[3, 1].float(), 1.5))
     assert other.staging()[2].eq(7.0).all()
     assert other.region(layout.layer("target", 0)).float().abs().sum() == 0

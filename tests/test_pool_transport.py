@@ -17,6 +17,7 @@ import torch
 
 from common.kv_layout import LayerSpec, StagingSpec, build_layout
 from common.kv_pool import PagePool
+from common.shm_file import PoolAccessDenied
 from common.pool_transport import (
     MAX_UNCONFIRMED_EPOCHS,
     SHARE_CUDA_FIELDS,
@@ -54,7 +55,7 @@ def test_shm_export_map_and_canary(tmp_path):
     canary = write_canary(pool)
     handle = dpb.PoolHandle.FromString(export_pool(pool).SerializeToString())
     assert handle.WhichOneof("transport") == "shm" and handle.shm.path == str(pool.path)
-    mapped = map_pool(pool.layout, handle)
+    mapped = map_pool(pool.layout, handle, tmp_path, canary)
     assert read_canary(mapped, canary)
     assert not read_canary(mapped, Canary(canary.offset, bytes(16)))
     mapped.region(pool.layout.layer("draft", 0))[5].fill_(2.0)  # the drafter writes its pages ...
@@ -65,12 +66,16 @@ def test_shm_export_map_and_canary(tmp_path):
 
 def test_shm_map_errors_name_the_problem(tmp_path):
     layout = _layout()
+    canary = Canary(layout.trailer_offset, b"c" * 16)
     missing = dpb.PoolHandle(shm=dpb.ShmHandle(path=str(tmp_path / "gone.kv"), size=layout.total_bytes))
-    with pytest.raises(TransportError, match="cannot map the target's KV pool"):
-        map_pool(layout, missing)
+    with pytest.raises(PoolAccessDenied) as denied:  # the file's fate is the drafter's log's business only
+        map_pool(layout, missing, tmp_path, canary)
+    assert str(denied.value) == PoolAccessDenied.MESSAGE
+    with pytest.raises(TransportError, match="only with the target's canary"):
+        map_pool(layout, missing, tmp_path)
     short = dpb.PoolHandle(shm=dpb.ShmHandle(path=str(tmp_path / "x"), size=10))
     with pytest.raises(TransportError, match="layout needs"):
-        map_pool(layout, short)
+        map_pool(layout, short, tmp_path, canary)
     with pytest.raises(TransportError, match="names no transport"):
         map_pool(layout, dpb.PoolHandle())
 
@@ -277,7 +282,7 @@ def test_pool_exports_keep_replaced_pools_until_the_drafter_attaches_again(tmp_p
     exports = PoolExports()
     first = PagePool.create(_layout(epoch=1), torch.device("cpu"), tmp_path)
     canary = write_canary(first)
-    mapped = map_pool(first.layout, exports.export(first))  # the drafter maps epoch 1
+    mapped = map_pool(first.layout, exports.export(first), tmp_path, canary)  # the drafter maps epoch 1
     exports.attached("beef", 1)
     assert exports.live == [("beef", 1)]
     first.layout = dataclasses.replace(first.layout, epoch=2)  # a re-handshake that keeps the pool

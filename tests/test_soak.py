@@ -129,8 +129,9 @@ def test_soak_with_random_drafter_restarts(tmp_path):
     draft_model = tmp_path / "draft"
     shutil.copytree(target_model, draft_model)
     port = free_port()
-    drafter_args = ["--model", str(draft_model), "--port", str(port), "--num-speculative-tokens", "4"]
     shm = private_shm_dir()
+    drafter_args = ["--model", str(draft_model), "--port", str(port), "--num-speculative-tokens", "4",
+                    "--shm-dir", str(shm)]
     logs = tmp_path / "logs"
     logs.mkdir()
     drafter = Service("draft_service.cli", drafter_args, logs / "drafter-0.log")

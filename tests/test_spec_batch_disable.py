@@ -29,7 +29,7 @@ def checkpoints(tmp_path_factory):
 
 def _core(target, draft, shm_dir, disable_at):
     stub = LocalDrafterStub(DrafterConfig(kind="draft_model", model=str(draft), target_model=str(target),
-                                          num_speculative_tokens=K))
+                                          num_speculative_tokens=K, shm_dir=str(shm_dir)))
     config = EngineConfig(model=str(target), cache=CacheConfig(cache_dtype="float32", shm_dir=str(shm_dir)),
                           drafter="in-process", internal_token="unused", num_speculative_tokens=K,
                           speculative_disable_batch_size=disable_at)

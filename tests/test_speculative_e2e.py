@@ -49,10 +49,10 @@ def target_args(model: Path, shm_dir: Path, kv_dtype: str, *extra: str) -> list[
             "--num-pages", "256", "--page-size", "8", "--max-num-batched-tokens", "128", *extra]
 
 
-def drafter_args(kind: str, models: Models) -> list[str]:
+def drafter_args(kind: str, models: Models, shm_dir: Path) -> list[str]:
     model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm)], "dflash": ["--model", str(models.dflash)]}
     return ["--kind", kind, *model[kind], "--target-model", str(models.target), "--port", "0",
-            "--num-speculative-tokens", "4"]
+            "--num-speculative-tokens", "4", "--shm-dir", str(shm_dir)]
 
 
 def generate(address: str, prompt: str, **speculation) -> tuple[list[int], pb.Complete]:
@@ -84,19 +84,19 @@ def reference(models, tmp_path_factory) -> dict[str, list[list[int]]]:
 @pytest.fixture(scope="module", params=KINDS)
 def drafter(request, models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"drafter-{request.param}")
-    service = Service("draft_service.cli", drafter_args(request.param, models), tmp / "drafter.log")
+    service = Service("draft_service.cli", drafter_args(request.param, models, tmp), tmp / "drafter.log")
     try:
         service.wait_serving()
-        yield request.param, service
+        yield request.param, service, tmp  # the targets keep their pools in the drafter's --shm-dir
     finally:
         service.kill()
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_speculative_greedy_is_lossless(models, reference, drafter, kv_dtype, tmp_path):
-    kind, drafter_service = drafter
+    kind, drafter_service, shm_dir = drafter
     target = Service("target_service.cli",
-                     target_args(models.target, tmp_path, kv_dtype, "--drafter", drafter_service.address),
+                     target_args(models.target, shm_dir, kv_dtype, "--drafter", drafter_service.address),
                      tmp_path / "target.log")
     try:
         address = target.wait_serving()

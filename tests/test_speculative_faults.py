@@ -49,7 +49,7 @@ def target_args(model: Path, shm_dir: Path, *extra: str) -> list[str]:
 @contextlib.contextmanager
 def drafter_and_target(target_model: Path, tmp_path: Path, drafter_args: list[str], *target_extra: str):
     """A drafter, then a target that speculates with it; yields the target's address once SERVING."""
-    drafter = Service("draft_service.cli", drafter_args, tmp_path / "drafter.log")
+    drafter = Service("draft_service.cli", [*drafter_args, "--shm-dir", str(tmp_path)], tmp_path / "drafter.log")
     target = None
     try:
         drafter.wait_serving()
@@ -94,7 +94,8 @@ def test_incompatible_drafter_is_refused_and_target_serves(target_model, tmp_pat
 
 def test_drafter_sigkill_midstream_then_restart(target_model, draft_lm, tmp_path):
     port = free_port()
-    drafter_args = ["--model", str(draft_lm), "--port", str(port), "--num-speculative-tokens", "4"]
+    drafter_args = ["--model", str(draft_lm), "--port", str(port), "--num-speculative-tokens", "4",
+                    "--shm-dir", str(tmp_path)]
     drafter = Service("draft_service.cli", drafter_args, tmp_path / "drafter.log")
     drafter.wait_serving()
     target = Service("target_service.cli", target_args(target_model, tmp_path, "--drafter", f"127.0.0.1:{port}",
@@ -194,8 +195,8 @@ def _propose_bytes_per_sequence(tmp_path: Path, hidden_size: int) -> float:
     tok = AutoTokenizer.from_pretrained(target)
     dflash = make_reference_dflash(tmp_path / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id,
                                    hidden_size=hidden_size)
-    drafter = Service("draft_service.cli", ["--model", str(dflash), "--target-model", str(target), "--port", "0"],
-                      tmp_path / "drafter.log")
+    drafter = Service("draft_service.cli", ["--model", str(dflash), "--target-model", str(target), "--port", "0",
+                                            "--shm-dir", str(tmp_path)], tmp_path / "drafter.log")
     try:
         address = drafter.wait_serving()
         cache = CacheConfig(cache_dtype="float32", shm_dir=str(tmp_path), num_pages=128, page_size=8)

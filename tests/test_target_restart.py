@@ -97,7 +97,8 @@ def test_target_sigkill_restart_then_sigterm_with_the_drafter_attached(models, t
     shm = private_shm_dir()
     drafter_metrics = free_port()
     drafter = Service("draft_service.cli", ["--model", str(draft_model), "--port", "0", "--num-speculative-tokens",
-                                            "4", "--metrics-port", str(drafter_metrics)], tmp_path / "drafter.log")
+                                            "4", "--metrics-port", str(drafter_metrics), "--shm-dir", str(shm)],
+                      tmp_path / "drafter.log")
     other = first = second = None
     try:
         drafter.wait_serving()

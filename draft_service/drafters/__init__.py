@@ -43,6 +43,7 @@ class DrafterConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     attention_backend: str = "auto"  # common.attention_backends.BACKEND_CHOICES
+    shm_dir: str = "/dev/shm"  # the only folder a CPU pool file is mapped from (the target's --shm-dir)
 
     def __post_init__(self) -> None:
         if self.kind not in ("auto", *KINDS):
@@ -53,6 +54,8 @@ class DrafterConfig:
             check_num_speculative_tokens(self.num_speculative_tokens)
         check_dtype_name(self.dtype)
         check_cache_dtype(self.kv_cache_dtype)
+        if not self.shm_dir:
+            raise ValueError("shm_dir must name a folder")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes need 1 <= min <= max, got min {self.ngram_min}, max {self.ngram_max}")
         check_backend_name(self.attention_backend)
@@ -77,7 +80,7 @@ def resolve_kind(kind: str, model: str | None) -> str:
 
 def load_drafter(config: DrafterConfig) -> Drafter:
     kind = resolve_kind(config.kind, config.model)
-    cache = CacheConfig(cache_dtype=config.kv_cache_dtype)
+    cache = CacheConfig(cache_dtype=config.kv_cache_dtype, shm_dir=config.shm_dir)
     k = config.num_speculative_tokens
     if kind == "ngram":
         from draft_service.drafters.ngram import NgramDrafter
