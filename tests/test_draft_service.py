@@ -43,6 +43,7 @@ K = 3  # every drafter here: --num-speculative-tokens 3, DFlash block_size 4
 RPC_TIMEOUT = 60.0
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -369,7 +370,7 @@ def test_attach_says_which_unconfirmed_exports_it_mapped(target_for):
     assert list(fake.attach(epoch=4, unconfirmed=(2, 3)).mapped_epochs) == [2]  # 2 mapped; 3 refused
 
 
-def test_attach_warms_the_attention_backend_on_scratch_pages_before_answering(checkpoints, tmp_path):
+def test_attach_warms_the_attention_backend_on_scratch_pages_before_answering(checkpoints, tmp_path, shm_dir):
     """The first Propose must not pay for kernel compiles (FlashInfer JITs for minutes): the
     drafter runs its attention once at Attach, outside the target's pages."""
     token_file = tmp_path / "token"
@@ -377,10 +378,10 @@ def test_attach_warms_the_attention_backend_on_scratch_pages_before_answering(ch
     token_file.chmod(0o600)
     port = free_port()
     proc = start_drafter("dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target),
-                                    "--metrics-port", str(port)], tmp_path / "dflash.log", token_file)
+                                    "--metrics-port", str(port)], tmp_path / "dflash.log", token_file, shm_dir)
     fake = None
     try:
-        fake = FakeTarget(proc.wait_serving(timeout=120), tmp_path, checkpoints)
+        fake = FakeTarget(proc.wait_serving(timeout=120), shm_dir, checkpoints)
         assert scrape_metrics(port)["splitspec_draft_attention_warmup_seconds_count"] == 0
         fake.negotiate()
         fake.attach(epoch=1)
@@ -403,7 +404,7 @@ def test_wrong_canary_is_permission_denied_and_a_stale_epoch_failed_precondition
     fake = target_for("draft_model")
     fake.negotiate()
     error = rpc_error(lambda: fake.attach(epoch=1, bad_canary=True))  # the canary says: not the target's pool
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error.code() == PERMISSION_DENIED
     answer = fake.attach(epoch=2)
     assert (answer.target_id, answer.epoch) == (fake.target_id, 2)
     assert answer.mapped_bytes == fake.pool.layout.total_bytes
