@@ -66,7 +66,7 @@ class AsyncEngine:
         self._loop_task = asyncio.create_task(self._run(), name="engine-loop")
         if (link := self._core.link) is not None and link.health is not None:  # handshake when it turns SERVING
             loop = asyncio.get_running_loop()
-            link.health.on_news = lambda: loop.call_soon_threadsafe(self._notify)
+            link.health.call_on_news(lambda: loop.call_soon_threadsafe(self._notify))
 
     async def run_on_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine's one thread, between steps (where torch's thread settings apply)."""

@@ -116,6 +116,10 @@ class DrafterHealthWatch:
     def has_news(self) -> bool:
         return self._news.is_set()
 
+    def call_on_news(self, callback: Callable[[], None]) -> None:
+        """From now on, announce a change to SERVING through `callback` (from the watch's thread)."""
+        self.on_news = callback
+
     def take_news(self) -> bool:
         news = self._news.is_set()
         self._news.clear()

@@ -268,8 +268,8 @@ def test_cpu_compose_services_run_as_configured(tmp_path):
             argv = _loopback(service["command"], swaps)
             argv[0] = str(BIN / argv[0])
             env = {"PATH": f"{BIN}:/usr/bin:/bin", **service.get("environment", {})}
-            if name == "target":
-                argv.append(f"--shm-dir={tmp_path}")  # /dev/shm is the container's; keep the test's own
+            if name != "gateway":  # /dev/shm is the containers'; keep the test's own (both services)
+                argv.append(f"--shm-dir={tmp_path}")
             log = (tmp_path / f"{name}.log").open("wb")
             procs[name] = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             health = _loopback(service["healthcheck"]["test"][1:], {**swaps, "localhost:50051":
