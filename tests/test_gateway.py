@@ -21,6 +21,8 @@ from tests.tiny_models import PROMPTS, make_qwen3
 
 MAX_BODY = 64 * 1024
 LONG = 400  # tokens: a stream that is still running when the test acts on it
+MODEL_LEN = 16384  # the stack's model length, so a stream can outlast a slow, busy test
+ENDLESS = MODEL_LEN - 256  # tokens: a stream that surely outlives the test acting on it
 
 
 def start_gateway(target: str, log_path: Path, *args: str) -> Service:
@@ -35,7 +37,7 @@ def stack(tmp_path_factory):
     """A target (one running sequence, one waiting: easy to fill) with its metrics endpoint,
     and a gateway in front of it."""
     tmp = tmp_path_factory.mktemp("gateway")
-    model = make_qwen3(tmp / "model")
+    model = make_qwen3(tmp / "model", max_position_embeddings=MODEL_LEN)
     shm = private_shm_dir()
     metrics_port = free_port()
     target = Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(shm),
@@ -334,7 +336,7 @@ def test_unsupported_parameters_are_400_saying_so(stack, client, endpoint, field
 def test_queue_full_is_429(stack):
     """max-num-seqs 1 and max-waiting 1: a running stream, a waiting one, then a third → 429."""
     url = f"http://{stack['gateway']}/v1/completions"
-    body = {"model": stack["model"], "prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0,
+    body = {"model": stack["model"], "prompt": PROMPTS[0], "max_tokens": ENDLESS, "temperature": 0,
             "ignore_eos": True, "stream": True}
     aborts = _abort_count(stack)
     with httpx2.Client(timeout=60) as http, http.stream("POST", url, json=body) as first:

@@ -28,7 +28,15 @@ import torch
 from common.kv_layout import LayerSpec, build_layout
 from common.kv_pool import PagePool
 from common.layout_proto import kv_layout_from_proto, kv_layout_to_proto
-from common.pool_transport import MappedExports, PoolExports, map_pool, read_canary, sync_for_handoff, write_canary
+from common.pool_transport import (
+    Canary,
+    MappedExports,
+    PoolExports,
+    map_pool,
+    read_canary,
+    sync_for_handoff,
+    write_canary,
+)
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import kv_layout_pb2 as kv_pb
 
@@ -63,9 +71,10 @@ class Peer:
     def attach(self, msg: dict) -> dict:
         self.drop()  # as the drafter: every Attach unmaps the previous pool first
         layout = kv_layout_from_proto(kv_pb.KVLayout.FromString(bytes.fromhex(msg["layout"])))
-        self.pool = map_pool(layout, dpb.PoolHandle.FromString(bytes.fromhex(msg["pool"])))
-        self.mapped.record(layout.target_id, layout.epoch)
         canary = msg["canary"]
+        self.pool = map_pool(layout, dpb.PoolHandle.FromString(bytes.fromhex(msg["pool"])), msg["shm_dir"],
+                             Canary(canary["offset"], bytes.fromhex(canary["value"])))
+        self.mapped.record(layout.target_id, layout.epoch)
         answer = self.read(canary)
         self.pool.region(layout.layer("draft", 0))[DRAFT_PAGE].fill_(3.0)
         sync_for_handoff(self.pool.device)
@@ -74,8 +83,6 @@ class Peer:
         return answer
 
     def read(self, canary: dict) -> dict:
-        from common.pool_transport import Canary
-
         layout = self.pool.layout
         ok = read_canary(self.pool, Canary(canary["offset"], bytes.fromhex(canary["value"])))
         page_sum = self.pool.region(layout.layer("target", 0))[TARGET_PAGE].float().sum().item()
@@ -140,8 +147,9 @@ class PeerProcess:
             return self.proc.wait()
 
 
-def _attach_message(exports: PoolExports, pool: PagePool, canary, handle: dpb.PoolHandle) -> dict:
+def _attach_message(exports: PoolExports, pool: PagePool, canary, handle: dpb.PoolHandle, shm_dir: Path) -> dict:
     return {"op": "attach", "layout": kv_layout_to_proto(pool.layout).SerializeToString().hex(),
+            "shm_dir": str(shm_dir),  # a CPU pool file is mapped only from the drafter's shm dir
             "pool": handle.SerializeToString().hex(),
             "canary": {"offset": canary.offset, "value": canary.value.hex()},
             "unconfirmed": exports.unconfirmed_epochs(TARGET_ID, pool.layout.epoch)}
@@ -171,7 +179,7 @@ def run_ipc_check(device: torch.device, shm_dir: Path, pool_mib: float = 1024.0,
         handle = exports.export(pool)
         if handle.WhichOneof("transport") == "cuda_ipc":
             report["torch_handle_bytes"] = len(handle.cuda_ipc.handle)
-        first = peer.call(**_attach_message(exports, pool, canary, handle))
+        first = peer.call(**_attach_message(exports, pool, canary, handle, shm_dir))
         exports.attached(TARGET_ID, 1, first["mapped_epochs"])
         report["mapped_s"] = round(time.monotonic() - started, 3)
         report["peer_device"] = first["device"]
@@ -191,7 +199,7 @@ def run_ipc_check(device: torch.device, shm_dir: Path, pool_mib: float = 1024.0,
         before = _free_bytes(device)
         second = PagePool.create(pool_layout(2, pool_mib), device, shm_dir)
         second_bytes = second.layout.total_bytes
-        reply = peer.call(**_attach_message(exports, second, write_canary(second), exports.export(second)))
+        reply = peer.call(**_attach_message(exports, second, write_canary(second), exports.export(second), shm_dir))
         after_alloc = _free_bytes(device)
         exports.attached(TARGET_ID, 2, reply["mapped_epochs"])
         del second
@@ -204,7 +212,7 @@ def run_ipc_check(device: torch.device, shm_dir: Path, pool_mib: float = 1024.0,
         exports.export(third)
         del third
         fourth = PagePool.create(pool_layout(4, pool_mib), device, shm_dir)
-        message = _attach_message(exports, fourth, write_canary(fourth), exports.export(fourth))
+        message = _attach_message(exports, fourth, write_canary(fourth), exports.export(fourth), shm_dir)
         report["unconfirmed_sent"] = message["unconfirmed"]
         reply = peer.call(**message)
         report["peer_mapped_epochs"] = reply["mapped_epochs"]
