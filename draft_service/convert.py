@@ -12,7 +12,8 @@ from common.layout_proto import (
     order_from_proto,
     orders_from_proto,
 )
-from common.pool_transport import MAX_UNCONFIRMED_EPOCHS, Canary, TorchBuild
+from common.pool_exports import MAX_UNCONFIRMED_EPOCHS
+from common.pool_transport import Canary, TorchBuild
 from draft_service.drafters import TargetInfo, Update
 from draft_service.host import (
     AttachArgs,

@@ -18,9 +18,9 @@ import torch
 
 from common.drafter_facts import DrafterFacts
 from common.kv_layout import KVLayout, LayerSpec, LayoutNotResolvedError, canonical_kv_dtype, resolve_order
+from common.pool_exports import MappedExports
 from common.pool_transport import (
     Canary,
-    MappedExports,
     TorchBuild,
     ipc_build_mismatch,
     map_pool,

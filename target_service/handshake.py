@@ -25,7 +25,8 @@ import torch
 from common.kv_layout import KVLayout
 from common.kv_pool import PagePool
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
-from common.pool_transport import PoolExports, TorchBuild, device_uuid, ipc_build_mismatch, write_canary
+from common.pool_exports import PoolExports
+from common.pool_transport import TorchBuild, device_uuid, ipc_build_mismatch, write_canary
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import ModelInfo
 from target_service.config import EngineConfig

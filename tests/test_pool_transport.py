@@ -18,12 +18,10 @@ import torch
 from common.kv_layout import LayerSpec, StagingSpec, build_layout
 from common.kv_pool import PagePool
 from common.shm_file import PoolAccessDenied
+from common.pool_exports import MAX_UNCONFIRMED_EPOCHS, MappedExports, PoolExports
 from common.pool_transport import (
-    MAX_UNCONFIRMED_EPOCHS,
     SHARE_CUDA_FIELDS,
     Canary,
-    MappedExports,
-    PoolExports,
     TorchBuild,
     TransportError,
     check_cuda_handle,

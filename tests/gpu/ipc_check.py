@@ -28,15 +28,8 @@ import torch
 from common.kv_layout import LayerSpec, build_layout
 from common.kv_pool import PagePool
 from common.layout_proto import kv_layout_from_proto, kv_layout_to_proto
-from common.pool_transport import (
-    Canary,
-    MappedExports,
-    PoolExports,
-    map_pool,
-    read_canary,
-    sync_for_handoff,
-    write_canary,
-)
+from common.pool_exports import MappedExports, PoolExports
+from common.pool_transport import Canary, map_pool, read_canary, sync_for_handoff, write_canary
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import kv_layout_pb2 as kv_pb
 
