@@ -17,12 +17,10 @@ from typing import TypeVar
 from common.threads import apply_threads
 from target_service.api_types import (
     EngineRequest,
-    FinishReason,
     InvalidRequestError,
     QueueFullError,
     RequestOutput,
     ShuttingDownError,
-    Usage,
     validate_prompt,
 )
 from target_service.config import EngineConfig
@@ -113,19 +111,11 @@ class AsyncEngine:
         """Apply admissions and aborts; only ever between steps."""
         adds, self._pending_adds = self._pending_adds, []
         aborts, self._pending_aborts = self._pending_aborts, set()
-        for request in adds:
-            if request.request_id in aborts:
-                self._deliver(self._aborted_output(request))
-                continue
+        for request in adds:  # a request aborted before it got here still counts: admitted, then aborted
             self._core.add(request)
         for request_id in aborts:
             if (out := self._core.abort(request_id)) is not None:
                 self._deliver(out)
-
-    @staticmethod
-    def _aborted_output(request: EngineRequest) -> RequestOutput:
-        usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-        return RequestOutput(request.request_id, (), "", FinishReason.ABORT, usage)
 
     def _deliver(self, output: RequestOutput | BaseException, request_id: str | None = None) -> None:
         rid = request_id or output.request_id  # type: ignore[union-attr]

@@ -41,7 +41,9 @@ from splitspec.gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     ModelCard,
+    TEXT_PLACEHOLDER,
     ModelList,
+    TextChunks,
     unsupported_chat,
     unsupported_completion,
 )
@@ -304,24 +306,6 @@ def chat_body(gen: Generation, text: str, complete: pb.Complete) -> ChatCompleti
                                   usage=convert.usage(complete.usage))
 
 
-_SENTINEL = "\x00splitspec-text\x00"
-_SENTINEL_JSON = json.dumps(_SENTINEL)
-
-
-class TextChunks:
-    """The JSON of a stream's text chunks: the pydantic model renders one chunk per stream
-    with a placeholder text, and each chunk splices in its own text (json.dumps), which
-    costs a fraction of a model build and dump per token."""
-
-    def __init__(self, template: pydantic.BaseModel) -> None:
-        self._prefix, found, self._suffix = template.model_dump_json().rpartition(_SENTINEL_JSON)
-        if not found:
-            raise ValueError("the chunk template has no text placeholder")
-
-    def __call__(self, text: str) -> str:
-        return self._prefix + json.dumps(text, ensure_ascii=False) + self._suffix
-
-
 def completion_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
     def event(text: str | None, finish: str | None = None, usage=None, choices: bool = True) -> str:
         listed = [CompletionChoice(text=text or "", finish_reason=finish)] if choices else []
@@ -336,7 +320,7 @@ def completion_events(gen: Generation, include_usage: bool) -> AsyncIterator[str
 
     return stream_events(gen, TextChunks(CompletionResponse(
         id=gen.request_id, created=gen.created, model=gen.model,
-        choices=[CompletionChoice(text=_SENTINEL, finish_reason=None)])), final, include_usage)
+        choices=[CompletionChoice(text=TEXT_PLACEHOLDER, finish_reason=None)])), final, include_usage)
 
 
 def chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
@@ -354,7 +338,7 @@ def chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
     async def with_role() -> AsyncIterator[str]:
         yield event({"role": "assistant", "content": ""})
         text = TextChunks(ChatCompletionChunk(id=gen.request_id, created=gen.created, model=gen.model,
-                                              choices=[ChatChunkChoice(delta={"content": _SENTINEL})]))
+                                              choices=[ChatChunkChoice(delta={"content": TEXT_PLACEHOLDER})]))
         async with contextlib.aclosing(stream_events(gen, text, final, include_usage)) as events:
             async for data in events:
                 yield data
