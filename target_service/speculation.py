@@ -19,6 +19,7 @@ import torch
 from common.pool_transport import sync_for_handoff
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import EngineRequest
+from target_service.draft_policy import DraftPolicy
 from target_service.drafter_link import DrafterLink, describe_rpc_error
 from target_service.handshake import SharedPool
 from target_service.metrics import TargetMetrics
@@ -39,8 +40,14 @@ class Speculator:
     vocab_size: int
     device: torch.device
     disable_batch_size: int | None = None  # no drafts while this many sequences or more run
+    max_num_batched_tokens: int | None = None  # the step's token budget (caps the policy's base width)
+    policy: DraftPolicy | None = None  # how many drafts per step; None → a fixed K (set in __post_init__)
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            self.policy = DraftPolicy(self.server_k, adaptive=False)
 
     @property
     def link(self) -> DrafterLink:
@@ -69,20 +76,35 @@ class Speculator:
 
         Nothing while the batch is at `disable_batch_size` or more: verifying K+1 tokens for
         every sequence of a large batch costs more than the drafts save. The drafter still
-        receives every sequence's context, so drafting resumes as soon as the batch shrinks."""
+        receives every sequence's context, so drafting resumes as soon as the batch shrinks.
+        Otherwise the policy picks one k for the step (draft_policy.py), each sequence's own
+        limit (its request, the model length, max_tokens) capping it further."""
         if self.disable_batch_size is not None and len(running) >= self.disable_batch_size:
             if self.link.ready:
                 metrics.batch_disabled_steps.inc()
             return {}
-        wants = {}
+        limits = {}
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or not self.follows(seq):
                 continue
             k = min(self.num_drafts_for(seq.request), self.max_model_len - seq.num_tokens,
                     seq.request.stop.max_tokens - seq.num_output_tokens - 1)
             if k > 0:
-                wants[seq.seq_id] = k
-        return wants
+                limits[seq.seq_id] = k
+        if not limits:
+            return {}
+        k = self._choose_k(running, limits, metrics)
+        return {seq_id: min(limit, k) for seq_id, limit in limits.items() if k > 0}
+
+    def _choose_k(self, running: list[Sequence], limits: dict[int, int], metrics: TargetMetrics) -> int:
+        base = sum(seq.num_uncomputed_tokens for seq in running)  # decodes 1 each, prefills their rest
+        if self.max_num_batched_tokens is not None:
+            base = min(base, self.max_num_batched_tokens)
+        k = self.policy.decide(len(limits), base, max(limits.values()))
+        metrics.num_drafts_chosen.observe(k)
+        if k == 0:
+            metrics.policy_zero_steps.inc()
+        return k
 
     def propose(self, scheduled: list[ScheduledSeq], metrics: TargetMetrics) -> dict[int, list[int]]:
         """One batched Propose: pending updates, releases, and draft requests."""
@@ -109,7 +131,10 @@ class Speculator:
         except Exception as exc:  # down, hung past the deadline, or an error: no speculation
             self.link.mark_failed(describe_rpc_error(exc))
             return {}
-        metrics.propose_latency.observe(time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        metrics.propose_latency.observe(elapsed)
+        # width: draft positions asked, n·(k+1); a context-only update counts 1
+        self.policy.record_propose(sum(u.num_speculative_tokens + 1 for u in request.sequences), elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int],
