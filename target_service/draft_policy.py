@@ -60,7 +60,7 @@ class AcceptanceEstimate:
     """p_j per draft position, exponentially weighted over verifies (unobserved positions: the prior)."""
 
     max_k: int
-    alpha: float = 0.1
+    alpha: float = 0.2  # per verified sequence: a batch of n learns n times per step
     prior: float = 0.6
     _p: list[float] = field(default_factory=list)
 
