@@ -28,6 +28,8 @@ from target_service.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+MAX_DEFERRED_RELEASES = 256  # released sequence ids that may wait for the next Propose
+
 
 @dataclass
 class Speculator:
@@ -118,6 +120,9 @@ class Speculator:
                 updates[s.seq.seq_id] = update
         if not updates and not self._released:
             return {}
+        if self._may_defer(scheduled):
+            self.policy.record_propose(len(updates), 0.0)  # this step's Propose cost nothing
+            return {}
         for s in scheduled:  # pages added by this step's scheduling
             if s.seq.seq_id in updates:
                 self._attach_new_pages(updates[s.seq.seq_id], s.seq)
@@ -136,6 +141,15 @@ class Speculator:
         # width: draft positions asked, n·(k+1); a context-only update counts 1
         self.policy.record_propose(sum(u.num_speculative_tokens + 1 for u in request.sequences), elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
+
+    def _may_defer(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A step that asks for no drafts need not call a drafter that reads no staging rows (n-gram, a
+        draft model): its updates carry only token ids and pages, so they are merged into the next
+        Propose that asks for drafts (record_step) instead of costing a round trip now. A drafter
+        that reads hidden states (DFlash) must copy this step's staging rows before the next forward
+        overwrites them, so it is called every step. Bounded: releases pile up at most MAX_DEFERRED."""
+        return (self.shared.layout.staging is None and len(self._released) < MAX_DEFERRED_RELEASES
+                and not any(s.num_lookahead_tokens for s in scheduled))
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int],
                       metrics: TargetMetrics) -> dict[int, list[int]]:
@@ -187,13 +201,17 @@ class Speculator:
             if not self.follows(seq) or seq.is_finished:
                 continue
             count = seq.num_computed_tokens - start
-            update = dpb.SequenceUpdate(
-                seq_id=seq.seq_id,
-                context_start=start,
-                context_token_ids=seq.token_ids[start : start + count],
-                staging_row=row,
-                last_token_id=seq.token_ids[seq.num_computed_tokens],
-            )
+            if (update := self._pending.get(seq.seq_id)) is not None:  # deferred, not yet sent: extend it
+                update.context_token_ids.extend(seq.token_ids[start : start + count])
+                update.last_token_id = seq.token_ids[seq.num_computed_tokens]
+            else:
+                update = dpb.SequenceUpdate(
+                    seq_id=seq.seq_id,
+                    context_start=start,
+                    context_token_ids=seq.token_ids[start : start + count],
+                    staging_row=row,
+                    last_token_id=seq.token_ids[seq.num_computed_tokens],
+                )
             self._attach_new_pages(update, seq)
             self._pending[seq.seq_id] = update
 

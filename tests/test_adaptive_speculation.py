@@ -115,6 +115,28 @@ def test_drafts_that_are_never_accepted_stop_being_asked_for(checkpoints, tmp_pa
     core.close()
 
 
+def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(checkpoints, tmp_path):
+    """A draft model needs only token ids: a step asking for no drafts makes no Propose, and its
+    context reaches the drafter merged into the next Propose that asks for drafts. That merged
+    context is whole: the target's own copy as drafter still has every draft accepted."""
+    target, same, other = checkpoints
+    core = _core(target, other, tmp_path)
+    before = core.link.num_proposes
+    _, chosen, _ = _generate(core, PROMPTS[2])
+    decided = [k for k in chosen if k is not None]
+    assert core.link.num_proposes - before <= len(chosen) - decided.count(0)  # none for a k = 0 step
+    core.close()
+
+    core = _core(target, same, tmp_path)
+    core.speculator.policy.probe_every = 2  # every other decision at K is a k = 0 probe: context is merged often
+    reference, _, _ = _generate(core, PROMPTS[3], speculate=False)
+    tokens, chosen, usage = _generate(core, PROMPTS[3])
+    assert tokens == reference
+    assert [k for k in chosen if k is not None].count(0) >= 5
+    assert usage.accepted_tokens == usage.draft_tokens > 0
+    core.close()
+
+
 def test_drafts_that_are_always_accepted_keep_being_asked_for(checkpoints, tmp_path):
     target, same, _ = checkpoints
     core = _core(target, same, tmp_path)
