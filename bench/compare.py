@@ -44,6 +44,7 @@ from splitspec.heldout import held_out_prompts  # noqa: E402
 from splitspec.net import free_port  # noqa: E402
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams  # noqa: E402
 from target_service.config import EngineConfig  # noqa: E402
+from target_service.draft_policy import SPECULATIVE_POLICIES  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
 
@@ -65,6 +66,8 @@ class Result:
     note: str = ""
     propose_ms: float | None = None  # mean Propose round trip, seen by the target
     drafter_ms: float | None = None  # mean time the drafter spent inside Propose
+    mean_k: float | None = None  # drafts per sequence the speculative policy asked for, mean over decisions
+    zero_k_share: float | None = None  # share of those decisions that asked for none
 
     @property
     def tokens_per_s(self) -> float:
@@ -200,10 +203,11 @@ class DrafterProcess:
         self.proc.wait(30)
 
 
-def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None, token: str | None = None):
+def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None, token: str | None = None,
+                  policy: str = "adaptive"):
     return EngineConfig(model=str(models / "target"), cache=CacheConfig(shm_dir=shm_dir), max_num_seqs=16,
                         drafter=drafter, internal_token=token, num_speculative_tokens=k,
-                        drafter_timeout_s=60.0, drafter_startup_wait_s=300.0)
+                        drafter_timeout_s=60.0, drafter_startup_wait_s=300.0, speculative_policy=policy)
 
 
 def median_of(runs: list[T], key: Callable[[T], float] = lambda x: x) -> T:
@@ -224,14 +228,40 @@ def measure(core: EngineCore, row: int, name: str, prompts: list[list[int]], new
         propose = HistogramMean.of(core.metrics.propose_latency)
         inside = (HistogramMean.scraped(drafter_metrics, "splitspec_draft_propose_latency_seconds")
                   if drafter_metrics else None)
+        chosen = ChosenK(core)
         n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
+        mean_k, zero_share = chosen.summary()
         runs.append(Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
-                           drafter_ms=inside.ms() if inside else None))
+                           drafter_ms=inside.ms() if inside else None, mean_k=mean_k, zero_k_share=zero_share,
+                           note=_chosen_note(mean_k, zero_share)))
     return median_of(runs, key=lambda r: r.seconds)
 
 
+class ChosenK:
+    """What the speculative policy decided over an interval, from the engine's own metrics."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+        self._start = self._read()
+
+    NAMES = ("splitspec_spec_decode_num_drafts_chosen_count", "splitspec_spec_decode_num_drafts_chosen_sum",
+             "splitspec_spec_decode_policy_zero_draft_steps_total")
+
+    def _read(self) -> tuple[float, ...]:
+        registry = self._core.metrics.registry  # read each time: warmup swaps the metrics object
+        return tuple(registry.get_sample_value(name) or 0.0 for name in self.NAMES)
+
+    def summary(self) -> tuple[float | None, float | None]:
+        count, total, zero = (now - then for now, then in zip(self._read(), self._start, strict=True))
+        return (total / count, zero / count) if count else (None, None)
+
+
+def _chosen_note(mean_k: float | None, zero_share: float | None) -> str:
+    return "" if mean_k is None else f"policy: mean k {mean_k:.2f}, k=0 in {100 * zero_share:.0f}% of steps"
+
+
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
-                   repeat: int, tmp: str) -> list[Result]:
+                   repeat: int, tmp: str, policy: str = "adaptive") -> list[Result]:
     results = []
     token = secrets.token_hex(16)
     core = build_engine_core(engine_config(models, tmp, k))
@@ -242,7 +272,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
     for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
         drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp)
         try:
-            core = build_engine_core(engine_config(models, tmp, k, drafter.address, token))
+            core = build_engine_core(engine_config(models, tmp, k, drafter.address, token, policy))
             if not core.link.ready:
                 raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
             core.warmup()
@@ -254,7 +284,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
             drafter.stop()
     local = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(models / "dflash"),
                                            target_model=str(models / "target"), shm_dir=tmp))
-    core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused"), drafter_stub=local)
+    core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused", policy), drafter_stub=local)
     core.warmup()
     for c in levels:
         results.append(measure(core, 8, "splitspec + dflash (1 process)", prompts, new_tokens, c, repeat))
@@ -294,7 +324,8 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     base = {(r.row, r.concurrency): r.tokens_per_s for r in results}
     lines = [
         f"Measured {date.today()} on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-        f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k}; "
+        f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k} "
+        f"({args.speculative_policy} policy); "
         f"each row the median of {args.repeat} runs.",
         "",
         "| # | run | concurrency | tok/s | vs 1 | vs 4 | accept len | step ms | propose ms | in drafter ms | note |",
@@ -372,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=8, help="draft tokens per step")
+    parser.add_argument("--speculative-policy", default="adaptive", choices=SPECULATIVE_POLICIES,
+                        help="how many drafts each step asks for (fixed: always K)")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the table shows the median")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -388,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = tuple(int(c) for c in args.concurrency.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         results = reference_rows(args.models, prompts, args.new_tokens, levels, args.repeat, tokenizer)
-        results += splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, args.repeat, tmp)
+        results += splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, args.repeat, tmp,
+                                  args.speculative_policy)
     text = table(results, args)
     print(text)
     if args.write_readme:

@@ -9,6 +9,7 @@ import torch
 from common.attention_backends import check_backend_name
 from common.dtypes import check_dtype_name
 from common.kv_layout import CacheConfig
+from target_service.draft_policy import SPECULATIVE_POLICIES
 
 
 @dataclass
@@ -31,6 +32,7 @@ class EngineConfig:
     drafter_timeout_s: float = 2.0  # per-step Propose deadline
     drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
     speculative_disable_batch_size: int | None = None  # no drafts while this many sequences or more run
+    speculative_policy: str = "adaptive"  # draft_policy.SPECULATIVE_POLICIES: adaptive (k per step) | fixed (K)
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
 
     def __post_init__(self) -> None:
@@ -38,6 +40,9 @@ class EngineConfig:
             raise ValueError("a drafter needs the internal token (SPLITSPEC_INTERNAL_TOKEN or --internal-token-file)")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
+                             f"got {self.speculative_policy!r}")
         if self.drafter_timeout_s <= 0 or self.drafter_startup_wait_s < 0:
             raise ValueError("drafter timeouts must be positive")
         if not self.model:

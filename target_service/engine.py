@@ -5,7 +5,8 @@ The engine's rooms, in the order a step passes through them:
   async_engine.py   AsyncEngine: admission from the event loop, the step loop, streams
   engine_core.py    EngineCore: add, abort, step (schedule → propose → run → accept → emit)
   scheduler.py      continuous batching, chunked prefill, preemption (page_manager.py: page ids)
-  speculation.py    what the drafter is told and asked each step (drafter_link.py: the RPCs)
+  speculation.py    what the drafter is told and asked each step (drafter_link.py: the RPCs;
+                    draft_policy.py: how many drafts a step asks for)
   model_runner.py   lists → tensors → forward → verified tokens (spec_decode.py: the accept rule)
   pool_planning.py  what the KV pool holds and how many pages
   handshake.py      SharedPool: the pool, its layout and epoch, Negotiate → re-plan → Attach

@@ -17,6 +17,7 @@ from common.kv_layout import KVLayout
 from target_service.api_types import EngineRequest, FinishReason, ModelInfo, RequestOutput, StopParams
 from target_service.config import EngineConfig
 from target_service.detokenizer import IncrementalDetokenizer
+from target_service.draft_policy import DraftPolicy
 from target_service.drafter_link import DrafterLink
 from target_service.handshake import SharedPool
 from target_service.metrics import EngineState, TargetMetrics
@@ -55,7 +56,10 @@ class EngineCore:
             self.page_manager,
         )
         self.speculator = (Speculator(shared, config.num_speculative_tokens, model_info.max_model_len,
-                                      model_info.vocab_size, runner.device, config.speculative_disable_batch_size)
+                                      model_info.vocab_size, runner.device, config.speculative_disable_batch_size,
+                                      config.max_num_batched_tokens,
+                                      DraftPolicy(config.num_speculative_tokens,
+                                                  adaptive=config.speculative_policy == "adaptive"))
                            if shared.link is not None else None)
         self._tracked: dict[str, _Tracked] = {}
         self._next_seq_id = 0
@@ -128,8 +132,12 @@ class EngineCore:
         self._note_first_scheduling(plan.scheduled)
         drafts = self._propose(plan.scheduled)
         tracked = [self._tracked[s.seq.request_id] for s in plan.scheduled if s.samples]
+        started = time.perf_counter()
         emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
-                                                  [t.generator for t in tracked])
+                                                  [t.generator for t in tracked])  # host lists: the device is done
+        if spec is not None:
+            query_tokens = sum(s.num_query_tokens for s in plan.scheduled) + sum(map(len, drafts.values()))
+            spec.policy.record_forward(query_tokens, time.perf_counter() - started)
         computed_before = self._advance(plan.scheduled)
         outputs = [out for t, tokens in zip(tracked, emitted)
                    if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
@@ -172,6 +180,7 @@ class EngineCore:
         if draft:
             accepted = len(tokens) - 1
             self.metrics.on_verified(len(draft), accepted)
+            self.speculator.policy.record_verify(len(draft), accepted)
             tracked.seq.spec.record(len(draft), accepted)
             tracked.seq.num_computed_tokens += accepted  # the accepted drafts' KV was written by the verify
         return self._append_tokens(tracked, tokens)
@@ -234,6 +243,7 @@ class EngineCore:
             self.metrics.handshakes.labels(result=outcome.result).inc()
         if outcome.ok:
             self.speculator.reset()
+            self.speculator.policy.new_epoch()
         return outcome.ok
 
     def _use_pool(self) -> None:
@@ -255,6 +265,8 @@ class EngineCore:
                 self.step()
         finally:
             self.metrics = served
+            if self.speculator is not None:  # warmup's first calls pay one-time costs: not a measure
+                self.speculator.policy.forget_measurements()
 
     def close(self) -> None:
         self.shared.close()

@@ -25,6 +25,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+NUM_DRAFTS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 PROPOSE_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048)
 
 
@@ -85,6 +86,13 @@ class TargetMetrics:
         self.batch_disabled_steps = Counter(
             "splitspec_spec_decode_batch_disabled_steps",
             "Steps run without drafts because the batch reached --speculative-disable-by-batch-size.", registry=r)
+        self.num_drafts_chosen = Histogram(
+            "splitspec_spec_decode_num_drafts_chosen",
+            "Drafts per sequence the speculative policy asked for, one observation per step with decoding "
+            "sequences the drafter follows (fixed policy: always K).", buckets=NUM_DRAFTS_BUCKETS, registry=r)
+        self.policy_zero_steps = Counter(
+            "splitspec_spec_decode_policy_zero_draft_steps",
+            "Steps where the speculative policy asked for no drafts (they were not expected to pay).", registry=r)
         self.invalid_drafts = Counter("splitspec_spec_decode_invalid_drafts",
                                       "Drafts discarded as invalid (unknown sequence, out-of-vocabulary ids, too long).",
                                       registry=r)

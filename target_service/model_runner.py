@@ -10,7 +10,7 @@ from common.attention_metadata import AttentionMetadata
 from common.kv_pool import PagePool
 from target_service.sampling import SamplingSpec
 from target_service.scheduler import ScheduledSeq
-from target_service.spec_decode import verify_tokens
+from target_service.spec_decode import verify_batch
 
 
 @dataclass
@@ -83,17 +83,17 @@ class ModelRunner:
                                       capture_layers=self.capture_layers)  # [T, hidden]
         self._stage_hidden(captured, inputs.meta.num_tokens)
         rows, spans = self._logit_rows(scheduled, drafts, inputs)
+        if not spans:  # a step of prefill chunks only: no logits are read
+            return [], inputs.row_starts
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
-        emitted = []
-        for (lo, hi, draft), spec, gen in zip(spans, specs, generators):
-            emitted.append(verify_tokens(draft, logits[lo:hi], spec, gen))
-        return emitted, inputs.row_starts
+        return verify_batch(spans, logits, specs, generators), inputs.row_starts
 
     def _stage_hidden(self, captured: dict[int, torch.Tensor], num_tokens: int) -> None:
         if self.staging is None or not self.capture_layers:
             return
-        features = torch.cat([captured[i] for i in self.capture_layers], dim=-1)  # [T, n * hidden]
-        self.staging[:num_tokens].copy_(features)
+        width = self.staging.shape[1] // len(self.capture_layers)
+        for slot, layer in enumerate(self.capture_layers):  # straight into the staging rows, no [T, n·hidden] concat
+            self.staging[:num_tokens, slot * width : (slot + 1) * width].copy_(captured[layer])  # [T, hidden]
 
     @staticmethod
     def _logit_rows(scheduled: list[ScheduledSeq], drafts: dict[int, list[int]], inputs: StepInputs):

@@ -31,10 +31,12 @@ def rejection_sample(
 ) -> list[int]:
     """Speculative rejection sampling; returns accepted drafts plus one sampled token."""
     uniforms = torch.rand(len(draft), generator=generator, device=target_probs.device).tolist()
+    # p(d_i) and q(d_i) for every position in one gather and one host copy each (not one sync per token)
+    index = torch.tensor(draft, dtype=torch.long, device=target_probs.device).unsqueeze(1)  # [K, 1]
+    ps = target_probs[: len(draft)].gather(1, index).squeeze(1).tolist()
+    qs = [1.0] * len(draft) if draft_probs is None else draft_probs.gather(1, index).squeeze(1).tolist()
     for i, token in enumerate(draft):
-        p = float(target_probs[i, token])
-        q = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if uniforms[i] * q < p:
+        if uniforms[i] * qs[i] < ps[i]:
             continue
         residual = _residual(target_probs[i], draft_probs[i] if draft_probs is not None else None, token)
         return draft[:i] + [sample_from_probs(residual, generator)]
@@ -63,3 +65,16 @@ def verify_tokens(
     if spec.greedy:
         return accept_greedy(draft, logits.argmax(dim=-1).tolist())
     return rejection_sample(draft, sampling_probs(logits, spec), draft_probs, generator)
+
+
+def verify_batch(
+    spans: list[tuple[int, int, list[int]]],  # per sequence: its rows [lo, hi) of `logits` and its draft
+    logits: torch.Tensor,  # [N, V] the rows of every sampling sequence, in order
+    specs: list[SamplingSpec],
+    generators: list[torch.Generator | None],
+) -> list[list[int]]:
+    """verify_tokens for a whole step: the greedy sequences share one argmax and one host copy
+    (one device sync per step, not one per sequence); sampled ones go one by one."""
+    argmax = logits.argmax(dim=-1).tolist() if any(spec.greedy for spec in specs) else []  # [N]
+    return [accept_greedy(draft, argmax[lo:hi]) if spec.greedy else verify_tokens(draft, logits[lo:hi], spec, gen)
+            for (lo, hi, draft), spec, gen in zip(spans, specs, generators, strict=True)]

@@ -19,6 +19,7 @@ import torch
 from common.pool_transport import sync_for_handoff
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import EngineRequest
+from target_service.draft_policy import DraftPolicy
 from target_service.drafter_link import DrafterLink, describe_rpc_error
 from target_service.handshake import SharedPool
 from target_service.metrics import TargetMetrics
@@ -26,6 +27,8 @@ from target_service.scheduler import ScheduledSeq
 from target_service.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+MAX_DEFERRED_RELEASES = 256  # released sequence ids that may wait for the next Propose
 
 
 @dataclass
@@ -39,8 +42,14 @@ class Speculator:
     vocab_size: int
     device: torch.device
     disable_batch_size: int | None = None  # no drafts while this many sequences or more run
+    max_num_batched_tokens: int | None = None  # the step's token budget (caps the policy's base width)
+    policy: DraftPolicy | None = None  # how many drafts per step; None → a fixed K (set in __post_init__)
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            self.policy = DraftPolicy(self.server_k, adaptive=False)
 
     @property
     def link(self) -> DrafterLink:
@@ -69,20 +78,35 @@ class Speculator:
 
         Nothing while the batch is at `disable_batch_size` or more: verifying K+1 tokens for
         every sequence of a large batch costs more than the drafts save. The drafter still
-        receives every sequence's context, so drafting resumes as soon as the batch shrinks."""
+        receives every sequence's context, so drafting resumes as soon as the batch shrinks.
+        Otherwise the policy picks one k for the step (draft_policy.py), each sequence's own
+        limit (its request, the model length, max_tokens) capping it further."""
         if self.disable_batch_size is not None and len(running) >= self.disable_batch_size:
             if self.link.ready:
                 metrics.batch_disabled_steps.inc()
             return {}
-        wants = {}
+        limits = {}
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or not self.follows(seq):
                 continue
             k = min(self.num_drafts_for(seq.request), self.max_model_len - seq.num_tokens,
                     seq.request.stop.max_tokens - seq.num_output_tokens - 1)
             if k > 0:
-                wants[seq.seq_id] = k
-        return wants
+                limits[seq.seq_id] = k
+        if not limits:
+            return {}
+        k = self._choose_k(running, limits, metrics)
+        return {seq_id: min(limit, k) for seq_id, limit in limits.items() if k > 0}
+
+    def _choose_k(self, running: list[Sequence], limits: dict[int, int], metrics: TargetMetrics) -> int:
+        base = sum(seq.num_uncomputed_tokens for seq in running)  # decodes 1 each, prefills their rest
+        if self.max_num_batched_tokens is not None:
+            base = min(base, self.max_num_batched_tokens)
+        k = self.policy.decide(len(limits), base, max(limits.values()))
+        metrics.num_drafts_chosen.observe(k)
+        if k == 0:
+            metrics.policy_zero_steps.inc()
+        return k
 
     def propose(self, scheduled: list[ScheduledSeq], metrics: TargetMetrics) -> dict[int, list[int]]:
         """One batched Propose: pending updates, releases, and draft requests."""
@@ -95,6 +119,9 @@ class Speculator:
                 update.num_speculative_tokens = s.num_lookahead_tokens
                 updates[s.seq.seq_id] = update
         if not updates and not self._released:
+            return {}
+        if self._may_defer(scheduled):
+            self.policy.record_propose(len(updates), 0.0)  # this step's Propose cost nothing
             return {}
         for s in scheduled:  # pages added by this step's scheduling
             if s.seq.seq_id in updates:
@@ -109,8 +136,20 @@ class Speculator:
         except Exception as exc:  # down, hung past the deadline, or an error: no speculation
             self.link.mark_failed(describe_rpc_error(exc))
             return {}
-        metrics.propose_latency.observe(time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        metrics.propose_latency.observe(elapsed)
+        # width: draft positions asked, n·(k+1); a context-only update counts 1
+        self.policy.record_propose(sum(u.num_speculative_tokens + 1 for u in request.sequences), elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
+
+    def _may_defer(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A step that asks for no drafts need not call a drafter that reads no staging rows (n-gram, a
+        draft model): its updates carry only token ids and pages, so they are merged into the next
+        Propose that asks for drafts (record_step) instead of costing a round trip now. A drafter
+        that reads hidden states (DFlash) must copy this step's staging rows before the next forward
+        overwrites them, so it is called every step. Bounded: releases pile up at most MAX_DEFERRED."""
+        return (self.shared.layout.staging is None and len(self._released) < MAX_DEFERRED_RELEASES
+                and not any(s.num_lookahead_tokens for s in scheduled))
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int],
                       metrics: TargetMetrics) -> dict[int, list[int]]:
@@ -162,13 +201,17 @@ class Speculator:
             if not self.follows(seq) or seq.is_finished:
                 continue
             count = seq.num_computed_tokens - start
-            update = dpb.SequenceUpdate(
-                seq_id=seq.seq_id,
-                context_start=start,
-                context_token_ids=seq.token_ids[start : start + count],
-                staging_row=row,
-                last_token_id=seq.token_ids[seq.num_computed_tokens],
-            )
+            if (update := self._pending.get(seq.seq_id)) is not None:  # deferred, not yet sent: extend it
+                update.context_token_ids.extend(seq.token_ids[start : start + count])
+                update.last_token_id = seq.token_ids[seq.num_computed_tokens]
+            else:
+                update = dpb.SequenceUpdate(
+                    seq_id=seq.seq_id,
+                    context_start=start,
+                    context_token_ids=seq.token_ids[start : start + count],
+                    staging_row=row,
+                    last_token_id=seq.token_ids[seq.num_computed_tokens],
+                )
             self._attach_new_pages(update, seq)
             self._pending[seq.seq_id] = update
 

@@ -21,7 +21,8 @@ def test_bench_report_is_consistent(tmp_path):
     try:
         drafter.wait_serving()
         target = Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(tmp_path),
-                                                "--num-pages", "256", "--drafter", drafter.address],
+                                                "--num-pages", "256", "--drafter", drafter.address,
+                                                "--speculative-policy", "fixed"],
                          tmp_path / "target.log")
         address = target.wait_serving()
         out = tmp_path / "report.json"

@@ -56,6 +56,7 @@ def start_target(model: Path, shm_dir: Path, log: Path, drafter: str, *extra: st
     return Service("target_service.cli", [
         "--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), "--num-pages", str(NUM_PAGES),
         "--page-size", "8", "--max-num-batched-tokens", "128", "--drafter", drafter, *extra,
+        "--speculative-policy", "fixed",  # drafts every step, however bad: these tests count them
     ], log)
 
 

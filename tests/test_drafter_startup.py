@@ -29,7 +29,7 @@ def test_the_target_handshakes_as_soon_as_a_late_drafter_reports_serving(tmp_pat
     drafter_port = free_port()
     target = Service("target_service.cli", [
         "--model", str(target_model), "--port", "0", "--shm-dir", str(shm_dir), "--num-pages", "256",
-        "--drafter", f"127.0.0.1:{drafter_port}", "--drafter-startup-wait-s", "3",
+        "--drafter", f"127.0.0.1:{drafter_port}", "--drafter-startup-wait-s", "3", "--speculative-policy", "fixed",
     ], tmp_path / "target.log")
     drafter = None
     try:

@@ -58,6 +58,7 @@ def stack(tmp_path_factory):
         drafter.wait_serving()
         target = Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(tmp),
                                                 "--num-pages", "256", "--drafter", drafter.address,
+                                                "--speculative-policy", "fixed",
                                                 "--metrics-port", str(ports["target_metrics"])], tmp / "target.log")
         target.wait_serving()
         gateway = Service("splitspec.gateway.cli", ["--target", target.address, "--port", str(ports["gateway"])],

@@ -141,7 +141,7 @@ def test_soak_with_random_drafter_restarts(tmp_path):
         target = Service("target_service.cli", [
             "--model", str(target_model), "--port", "0", "--shm-dir", str(shm), "--num-pages", "1024",
             "--page-size", "8", "--max-num-batched-tokens", "128", "--drafter", f"127.0.0.1:{port}",
-            "--drafter-timeout-s", "1",
+            "--drafter-timeout-s", "1", "--speculative-policy", "fixed",  # counts drafts: ask every step
         ], logs / "target.log")
         address = target.wait_serving()
         wait_drafter(address, READY)

@@ -32,7 +32,8 @@ def _core(target, draft, shm_dir, disable_at):
                                           num_speculative_tokens=K, shm_dir=str(shm_dir)))
     config = EngineConfig(model=str(target), cache=CacheConfig(cache_dtype="float32", shm_dir=str(shm_dir)),
                           drafter="in-process", internal_token="unused", num_speculative_tokens=K,
-                          speculative_disable_batch_size=disable_at)
+                          speculative_disable_batch_size=disable_at,
+                          speculative_policy="fixed")  # every step asks for drafts: the threshold alone decides
     return build_engine_core(config, drafter_stub=stub)
 
 

@@ -73,3 +73,60 @@ def test_acceptance_rate_matches_theory():
         out = rejection_sample([d], target, None, gen)
         accepted += len(out) == 2
     assert accepted / n == pytest.approx(float((P * Q).sum()), abs=0.015)
+
+
+def _rejection_sample_per_token(draft, target_probs, draft_probs, generator):
+    """The rule as it was written before its gathers were batched: one host read per token."""
+    from target_service.sampling import sample_from_probs
+    from target_service.spec_decode import _residual
+
+    uniforms = torch.rand(len(draft), generator=generator).tolist()
+    for i, token in enumerate(draft):
+        p = float(target_probs[i, token])
+        q = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        if uniforms[i] * q < p:
+            continue
+        residual = _residual(target_probs[i], draft_probs[i] if draft_probs is not None else None, token)
+        return draft[:i] + [sample_from_probs(residual, generator)]
+    return list(draft) + [sample_from_probs(target_probs[len(draft)], generator)]
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_batched_gathers_draw_exactly_what_the_per_token_rule_drew(one_hot):
+    """Same seed, same tokens: batching the p/q reads changes no draw."""
+    source = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        k = 1 + trial % 5
+        target = torch.softmax(3 * torch.randn(k + 1, 12, generator=source), dim=-1)
+        draft_probs = None if one_hot else torch.softmax(3 * torch.randn(k, 12, generator=source), dim=-1)
+        draft = torch.randint(0, 12, (k,), generator=source).tolist()
+        got = rejection_sample(draft, target, draft_probs, make_generator(trial, torch.device("cpu")))
+        want = _rejection_sample_per_token(draft, target, draft_probs, make_generator(trial, torch.device("cpu")))
+        assert got == want, trial
+
+
+def test_verify_batch_equals_verify_tokens_per_sequence():
+    """Greedy and sampled sequences in one step: the shared argmax changes nothing."""
+    from target_service.spec_decode import verify_batch
+
+    source = torch.Generator().manual_seed(3)
+    drafts = [[1, 2, 3], [], [4, 4], [0], [5, 6, 7, 8]]
+    specs = [SamplingSpec(), SamplingSpec(temperature=0.8, top_p=0.9), SamplingSpec(),
+             SamplingSpec(temperature=1.2), SamplingSpec()]
+    spans, lo = [], 0
+    for draft in drafts:
+        spans.append((lo, lo + len(draft) + 1, draft))
+        lo += len(draft) + 1
+    logits = 4 * torch.randn(lo, 10, generator=source)
+    for draft, (a, b, _) in zip(drafts, spans):  # make some greedy drafts right, so acceptance varies
+        argmax = logits[a:b].argmax(dim=-1).tolist()
+        draft[: len(draft) // 2 + 1] = argmax[: min(len(draft), len(draft) // 2 + 1)]
+
+    def generators():
+        return [None if spec.greedy else make_generator(i, torch.device("cpu")) for i, spec in enumerate(specs)]
+
+    got = verify_batch(spans, logits, specs, generators())
+    want = [verify_tokens(draft, logits[a:b], spec, gen)
+            for (a, b, draft), spec, gen in zip(spans, specs, generators())]
+    assert got == want
+    assert got[0][:2] == drafts[0][:2] and len(got[4]) >= 3  # accepted prefixes were exercised

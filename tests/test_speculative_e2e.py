@@ -49,6 +49,12 @@ def target_args(model: Path, shm_dir: Path, kv_dtype: str, *extra: str) -> list[
             "--num-pages", "256", "--page-size", "8", "--max-num-batched-tokens", "128", *extra]
 
 
+def speculating_target_args(model: Path, shm_dir: Path, kv_dtype: str, drafter: str) -> list[str]:
+    """Drafts asked every step (fixed K), so every verify path runs whatever the drafts' quality;
+    tests/test_adaptive_speculation.py checks the default policy's output is lossless too."""
+    return target_args(model, shm_dir, kv_dtype, "--drafter", drafter, "--speculative-policy", "fixed")
+
+
 def drafter_args(kind: str, models: Models, shm_dir: Path) -> list[str]:
     model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm)], "dflash": ["--model", str(models.dflash)]}
     return ["--kind", kind, *model[kind], "--target-model", str(models.target), "--port", "0",
@@ -96,7 +102,7 @@ def drafter(request, models, tmp_path_factory):
 def test_speculative_greedy_is_lossless(models, reference, drafter, kv_dtype, tmp_path):
     kind, drafter_service, shm_dir = drafter
     target = Service("target_service.cli",
-                     target_args(models.target, shm_dir, kv_dtype, "--drafter", drafter_service.address),
+                     speculating_target_args(models.target, shm_dir, kv_dtype, drafter_service.address),
                      tmp_path / "target.log")
     try:
         address = target.wait_serving()

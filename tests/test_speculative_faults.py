@@ -43,7 +43,8 @@ def draft_lm(target_model, tmp_path_factory) -> Path:
 
 def target_args(model: Path, shm_dir: Path, *extra: str) -> list[str]:
     return ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), "--num-pages", "256",
-            "--page-size", "8", "--max-num-batched-tokens", "128", *extra]
+            "--page-size", "8", "--max-num-batched-tokens", "128",
+            "--speculative-policy", "fixed", *extra]  # drafts every step, however bad: these tests count them
 
 
 @contextlib.contextmanager
@@ -201,7 +202,7 @@ def _propose_bytes_per_sequence(tmp_path: Path, hidden_size: int) -> float:
         address = drafter.wait_serving()
         cache = CacheConfig(cache_dtype="float32", shm_dir=str(tmp_path), num_pages=128, page_size=8)
         core = build_engine_core(EngineConfig(model=str(target), cache=cache, drafter=address,
-                                              internal_token=TOKEN))
+                                              internal_token=TOKEN, speculative_policy="fixed"))
         try:
             assert core.link.ready, core.link.detail
             for i, p in enumerate(PROMPTS[:4]):

@@ -55,7 +55,8 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 def start_target(model: Path, shm: Path, log: Path, *extra: str) -> Service:
     return Service("target_service.cli", [
         "--model", str(model), "--port", "0", "--shm-dir", str(shm), "--num-pages", "2048", "--page-size", "8",
-        "--max-num-batched-tokens", "128", "--shutdown-grace-s", str(GRACE_S), *extra,
+        "--max-num-batched-tokens", "128", "--shutdown-grace-s", str(GRACE_S),
+        "--speculative-policy", "fixed", *extra,
     ], log)
 
 

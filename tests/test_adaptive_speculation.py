@@ -1,0 +1,151 @@
+"""The adaptive policy through the real engine and a real drafter: it stops asking for drafts
+that are never accepted, keeps asking for drafts that always are, and the output is the
+target's own either way.
+
+The step costs are an injected, fixed table (drafts cheap: a verify token costs 2% of a
+decode, a Propose 1%), so what the policy decides depends on acceptance alone and never on
+this machine's timing. The acceptance is real: a draft model that is the target itself
+(every draft right) or another random model (practically every draft wrong)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from common.kv_layout import CacheConfig
+from draft_service.drafters import DrafterConfig
+from draft_service.local import LocalDrafterStub
+from target_service.api_types import EngineRequest, SpeculationParams, StopParams
+from target_service.config import EngineConfig
+from target_service.draft_policy import CostTable
+from target_service.engine import build_engine_core
+from tests.tiny_models import PROMPTS, make_qwen3
+
+K = 4
+MAX_TOKENS = 80
+DECODE = 0.01  # seconds of a one-token forward, in the injected table
+PROBE_EVERY = 8
+
+
+class FixedCosts(CostTable):
+    """An injected cost table: the engine's measurements are ignored, so no timing decides."""
+
+    def __init__(self, per_width) -> None:
+        super().__init__()
+        self._per_width = per_width
+
+    def observe(self, width: int, seconds: float) -> None:
+        pass
+
+    @property
+    def known(self) -> bool:
+        return True
+
+    def estimate(self, width: int) -> float:
+        return self._per_width(width)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    target = make_qwen3(root / "target")
+    shutil.copytree(target, root / "same")  # the target as its own draft model: every draft is right
+    other = make_qwen3(root / "other", seed=1)  # another random model: its drafts are (almost) all wrong
+    return target, root / "same", other
+
+
+def _core(target, draft, shm_dir):
+    stub = LocalDrafterStub(DrafterConfig(kind="draft_model", model=str(draft), target_model=str(target),
+                                          num_speculative_tokens=K, shm_dir=str(shm_dir)))
+    config = EngineConfig(model=str(target), cache=CacheConfig(cache_dtype="float32", shm_dir=str(shm_dir)),
+                          drafter="in-process", internal_token="unused", num_speculative_tokens=K)
+    assert config.speculative_policy == "adaptive"  # the default
+    core = build_engine_core(config, drafter_stub=stub)
+    assert core.link.ready, core.link.detail
+    policy = core.speculator.policy
+    policy.forward = FixedCosts(lambda tokens: DECODE * (1 + 0.02 * (tokens - 1)))
+    policy.propose = FixedCosts(lambda width: 0.01 * DECODE * width)
+    policy.probe_every = PROBE_EVERY
+    return core
+
+
+def _generate(core, prompt: str, speculate: bool = True) -> tuple[list[int], list[int | None], object]:
+    """One request alone; its tokens, the drafts asked at each step (None: no decision), its usage."""
+    core.add(EngineRequest(f"r{len(core._tracked)}-{speculate}-{prompt[:8]}", tuple(core.tokenizer.encode(prompt)),
+                           stop=StopParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                           speculation=SpeculationParams(disable=not speculate)))
+    tokens: list[int] = []
+    chosen: list[int | None] = []
+    histogram = core.metrics.num_drafts_chosen
+    while True:
+        before = _count_and_sum(histogram)
+        outputs = core.step()
+        after = _count_and_sum(histogram)
+        chosen.append(int(after[1] - before[1]) if after[0] > before[0] else None)
+        for out in outputs:
+            tokens.extend(out.token_ids)
+            if out.finish_reason is not None:
+                return tokens, chosen, out.usage
+
+
+def _count_and_sum(histogram) -> tuple[float, float]:
+    samples = {s.name: s.value for family in histogram.collect() for s in family.samples}
+    return samples["splitspec_spec_decode_num_drafts_chosen_count"], samples["splitspec_spec_decode_num_drafts_chosen_sum"]
+
+
+def _zero_steps(core) -> float:
+    return core.metrics.registry.get_sample_value("splitspec_spec_decode_policy_zero_draft_steps_total")
+
+
+def test_drafts_that_are_never_accepted_stop_being_asked_for(checkpoints, tmp_path):
+    target, _, other = checkpoints
+    core = _core(target, other, tmp_path)
+    reference, _, _ = _generate(core, PROMPTS[0], speculate=False)
+    tokens, chosen, usage = _generate(core, PROMPTS[0])
+    assert tokens == reference  # lossless whatever was asked
+    decided = [k for k in chosen if k is not None]
+    assert usage.draft_tokens > 0 and usage.accepted_tokens <= usage.draft_tokens // 10, usage
+    # at first every draft is asked for; once the rejections are learnt, only the probes draft
+    assert decided[0] == K
+    late = decided[len(decided) // 2 :]
+    assert late.count(0) >= len(late) - len(late) // PROBE_EVERY - 1, late
+    assert all(k <= 1 for k in late), late  # a probe asks for one draft
+    assert _zero_steps(core) == chosen.count(0) > 0
+    core.close()
+
+
+def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(checkpoints, tmp_path):
+    """A draft model needs only token ids: a step asking for no drafts makes no Propose, and its
+    context reaches the drafter merged into the next Propose that asks for drafts. That merged
+    context is whole: the target's own copy as drafter still has every draft accepted."""
+    target, same, other = checkpoints
+    core = _core(target, other, tmp_path)
+    before = core.link.num_proposes
+    _, chosen, _ = _generate(core, PROMPTS[2])
+    decided = [k for k in chosen if k is not None]
+    assert core.link.num_proposes - before <= len(chosen) - decided.count(0)  # none for a k = 0 step
+    core.close()
+
+    core = _core(target, same, tmp_path)
+    core.speculator.policy.probe_every = 2  # every other decision at K is a k = 0 probe: context is merged often
+    reference, _, _ = _generate(core, PROMPTS[3], speculate=False)
+    tokens, chosen, usage = _generate(core, PROMPTS[3])
+    assert tokens == reference
+    assert [k for k in chosen if k is not None].count(0) >= 5
+    assert usage.accepted_tokens == usage.draft_tokens > 0
+    core.close()
+
+
+def test_drafts_that_are_always_accepted_keep_being_asked_for(checkpoints, tmp_path):
+    target, same, _ = checkpoints
+    core = _core(target, same, tmp_path)
+    reference, _, _ = _generate(core, PROMPTS[1], speculate=False)
+    tokens, chosen, usage = _generate(core, PROMPTS[1])
+    assert tokens == reference
+    assert usage.accepted_tokens == usage.draft_tokens > 0
+    decided = [k for k in chosen if k is not None]
+    # every decision asks for all K drafts, except the probes of k = 0 (at K, the probe is "none")
+    # and the last steps, where max_tokens leaves room for fewer
+    assert decided.count(K) >= len(decided) - len(decided) // PROBE_EVERY - 2, decided
+    core.close()
