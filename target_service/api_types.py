@@ -144,15 +144,21 @@ class ModelInfo:
     hidden_size: int
 
 
+def check_prompt_fits(field_name: str, num_tokens: int, max_model_len: int) -> None:
+    """A prompt alone that leaves no room for one new token: its input field is at fault,
+    not max_tokens."""
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(field_name, f"the prompt is {num_tokens} tokens; the model length is "
+                                  f"{max_model_len}, including at least one token to generate")
+
+
 def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:
     """What a request can only be checked against once the model is known: ids in the
     vocabulary, prompt + max_tokens within the model length."""
     ids = request.prompt_token_ids
     if not ids:
         raise InvalidRequestError("input", "the prompt is empty")
-    if len(ids) >= info.max_model_len:  # the prompt alone cannot fit: its field, not max_tokens, is at fault
-        raise InvalidRequestError("input.token_ids", f"the prompt is {len(ids)} tokens; the model length is "
-                                  f"{info.max_model_len}, including at least one token to generate")
+    check_prompt_fits("input.token_ids", len(ids), info.max_model_len)  # before the max_tokens sum
     bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise InvalidRequestError("input.token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")

@@ -23,6 +23,7 @@ from target_service.api_types import (
     SpeculationParams,
     StopParams,
     Usage,
+    check_prompt_fits,
 )
 
 MAX_REQUEST_ID_CHARS = 256
@@ -87,14 +88,9 @@ def prompt_token_ids(msg: pb.GenerateRequest, tokenizer, limits: PromptLimits) -
     if kind == "token_ids":
         return _token_ids(msg.token_ids, limits)
     ids = _encode_text(msg.text, tokenizer, limits) if kind == "text" else _encode_chat(msg.chat, tokenizer, limits)
-    _check_prompt_fits(f"input.{kind}", len(ids), limits.max_model_len)
+    check_prompt_fits(f"input.{kind}", len(ids), limits.max_model_len)
     return ids
 
-
-def _check_prompt_fits(field_name: str, num_tokens: int, max_model_len: int) -> None:
-    if num_tokens >= max_model_len:
-        raise InvalidRequestError(field_name, f"the prompt is {num_tokens} tokens; the model length is "
-                                  f"{max_model_len}, including at least one token to generate")
 
 
 def _check_text_fits(field_name: str, text: str, limits: PromptLimits) -> None:
@@ -116,7 +112,7 @@ def _encode_text(text: str, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
 def _token_ids(ids: pb.TokenIds, limits: PromptLimits) -> tuple[int, ...]:
     if not ids.ids:
         raise InvalidRequestError("input.token_ids", "must not be empty")
-    _check_prompt_fits("input.token_ids", len(ids.ids), limits.max_model_len)  # before copying them
+    check_prompt_fits("input.token_ids", len(ids.ids), limits.max_model_len)  # before copying them
     return tuple(ids.ids)  # the engine checks them against the vocabulary
 
 

@@ -73,13 +73,14 @@ class DrafterHealthWatch:
     The call waits for the channel to connect (a drafter that is not up yet costs nothing),
     and is made again whenever it ends (the drafter went away); closing the channel ends
     it for good. `status` is the last one reported, None while not connected. A change to
-    SERVING is news: kept until a handshake takes it, and announced through `on_news`."""
+    SERVING is news: kept until a handshake takes it, and announced to the callback given
+    to `call_on_news`."""
 
     RETRY_S = 0.5  # between two Watch calls, when one ends
 
-    def __init__(self, channel: grpc.Channel, address: str, on_news: Callable[[], None] | None = None) -> None:
+    def __init__(self, channel: grpc.Channel, address: str) -> None:
         self.address = address
-        self.on_news = on_news
+        self.on_news: Callable[[], None] | None = None  # set by call_on_news
         self.status: int | None = None
         self._news = threading.Event()
         self._closed = threading.Event()
