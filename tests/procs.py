@@ -138,6 +138,18 @@ def served_target(model: Path, log_path: Path, *args: str) -> Iterator[Service]:
         shutil.rmtree(shm, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def served_drafter(log_path: Path, *args: str) -> Iterator[Service]:
+    """A drafter process, SERVING; on exit it must stop cleanly."""
+    proc = Service("draft_service.cli", ["--port", "0", *args], log_path)
+    try:
+        proc.wait_serving()
+        yield proc
+        assert proc.stop() == 0, proc.log()
+    finally:
+        proc.kill()
+
+
 def server_info(address: str):
     from splitspec.v1 import generation_pb2 as pb
     from splitspec.v1 import generation_pb2_grpc as pb_grpc

@@ -27,7 +27,7 @@ import pytest
 from common.auth import auth_metadata
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import TOKEN, Service, rss_kib, served_target, stream_tokens, wait_idle
+from tests.procs import TOKEN, Service, rss_kib, served_drafter, served_target, stream_tokens, wait_idle
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow
@@ -205,14 +205,8 @@ def test_undecodable_request_bytes_are_invalid_argument_logged_once_per_burst(ta
 
 @pytest.fixture(scope="module")
 def drafter(tmp_path_factory):
-    proc = Service("draft_service.cli", ["--kind", "ngram", "--port", "0"],
-                   tmp_path_factory.mktemp("drafter") / "drafter.log")
-    try:
-        proc.wait_serving()
+    with served_drafter(tmp_path_factory.mktemp("drafter") / "drafter.log", "--kind", "ngram") as proc:
         yield proc
-        assert proc.stop() == 0, proc.log()
-    finally:
-        proc.kill()
 
 
 def test_the_drafter_checks_the_token_before_parsing_and_answers_garbage_with_invalid_argument(drafter):

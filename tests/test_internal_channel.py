@@ -28,7 +28,7 @@ from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import REPO_ROOT, TOKEN, Service, client_cmd, private_shm_dir
+from tests.procs import REPO_ROOT, TOKEN, Service, client_cmd, private_shm_dir, served_drafter
 from tests.tiny_models import PROMPTS, make_qwen3
 
 MiB = 1 << 20
@@ -206,14 +206,9 @@ def test_a_message_over_the_limit_is_resource_exhausted_and_the_target_keeps_ser
 @pytest.fixture(scope="module")
 def drafter(tmp_path_factory):
     """An ngram drafter with default --host and a 1 MiB message limit."""
-    proc = Service("draft_service.cli", ["--kind", "ngram", "--port", "0", "--max-message-bytes", "1MiB"],
-                   tmp_path_factory.mktemp("drafter") / "drafter.log")
-    try:
-        proc.wait_serving()
+    with served_drafter(tmp_path_factory.mktemp("drafter") / "drafter.log", "--kind", "ngram",
+                        "--max-message-bytes", "1MiB") as proc:
         yield proc
-        assert proc.stop() == 0, proc.log()
-    finally:
-        proc.kill()
 
 
 def _proc_net_address(hex_host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
