@@ -143,12 +143,15 @@ class DraftPolicy:
 
     max_k: int
     adaptive: bool = True
-    probe_every: int = 16
+    probe_every: int = 16  # decisions between probes while drafting pays
+    max_probe_every: int = 256  # the longest gap between probes, reached while none pays
     min_gain: float = 0.02
     acceptance: AcceptanceEstimate = field(init=False)
     forward: CostTable = field(default_factory=CostTable)
     propose: CostTable = field(default_factory=CostTable)
     _steps: int = 0
+    _probe_gap: int = 0  # decisions from one probe to the next (0: not started, probe_every)
+    _next_probe: int = 0  # the decision that probes
 
     def __post_init__(self) -> None:
         self.acceptance = AcceptanceEstimate(self.max_k)
@@ -169,10 +172,16 @@ class DraftPolicy:
             return max_k  # nothing measured yet: speculate, which measures both
         k = choose_num_drafts(self.acceptance.values, max_k, num_seqs, base_tokens,
                               self.forward.estimate, self.propose.estimate, self.min_gain)
-        if self._steps % self.probe_every == 0:
+        if not self._probe_gap:
+            self._probe_gap = self._next_probe = self.probe_every
+        if self._steps >= self._next_probe:
             # Keep exploring: an estimate only learns from the k that runs, so now and then run a
             # neighbour of the choice (one draft more, or none when at K). A drafter that got
-            # better, or a cost that fell, can then win back its k; k = 0 is not forever.
+            # better, or a cost that fell, can then win back its k; k = 0 is not forever. While
+            # no draft pays, each probe that confirms it doubles the gap to the next: a probe
+            # costs a verify and a Propose, and a drafter that never pays must cost ~nothing.
+            self._probe_gap = min(2 * self._probe_gap, self.max_probe_every) if k == 0 else self.probe_every
+            self._next_probe = self._steps + self._probe_gap
             k = k + 1 if k < max_k else 0
         return k
 
@@ -181,7 +190,7 @@ class DraftPolicy:
         self.acceptance.reset()
         self.forward.clear()
         self.propose.clear()
-        self._steps = 0
+        self._steps = self._probe_gap = self._next_probe = 0
 
     def record_forward(self, query_tokens: int, seconds: float) -> None:
         self.forward.observe(query_tokens, seconds)

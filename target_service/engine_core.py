@@ -135,9 +135,12 @@ class EngineCore:
         started = time.perf_counter()
         emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
                                                   [t.generator for t in tracked])  # host lists: the device is done
+        seconds = time.perf_counter() - started
+        self.metrics.observe_forward(seconds, verified=bool(drafts),
+                                     prefilled=any(s.num_query_tokens > 1 for s in plan.scheduled))
         if spec is not None:
             query_tokens = sum(s.num_query_tokens for s in plan.scheduled) + sum(map(len, drafts.values()))
-            spec.policy.record_forward(query_tokens, time.perf_counter() - started)
+            spec.policy.record_forward(query_tokens, seconds)
         computed_before = self._advance(plan.scheduled)
         outputs = [out for t, tokens in zip(tracked, emitted)
                    if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]

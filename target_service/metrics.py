@@ -98,6 +98,15 @@ class TargetMetrics:
                                       registry=r)
         self.propose_latency = Histogram("splitspec_drafter_propose_latency_seconds",
                                          "Round trip of one batched Propose.", buckets=PROPOSE_BUCKETS, registry=r)
+        self.forward_duration = Histogram(
+            "splitspec_model_forward_duration_seconds",
+            "One step's forward (with sampling and acceptance), by kind: verify (drafts were checked), "
+            "prefill (a prompt chunk ran, no drafts), decode (one new token per sequence).",
+            ["kind"], buckets=PROPOSE_BUCKETS, registry=r)
+
+    def observe_forward(self, seconds: float, verified: bool, prefilled: bool) -> None:
+        kind = "verify" if verified else "prefill" if prefilled else "decode"
+        self.forward_duration.labels(kind).observe(seconds)
 
     def watch(self, state: Callable[[], EngineState]) -> None:
         """Expose the engine's state as gauges read at scrape time."""

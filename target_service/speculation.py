@@ -3,9 +3,11 @@
 After every forward, each sequence the drafter follows gets a `SequenceUpdate`: the
 tokens whose target KV now exists, the staging rows holding their hidden states, and
 the pages added to its page table. The next step's one batched `Propose` carries those
-updates (the staging rows are overwritten by that step's forward) together with the
-draft requests. A sequence is speculated only if the drafter of the current epoch saw it
-from position 0; any failure ends the epoch, so no half-delivered update is ever trusted.
+updates together with the draft requests. A step that asks for no drafts sends no Propose:
+its updates wait for the next one that does (`StagedRows` keeps the hidden states such an
+update points at, which the next forward would overwrite). A sequence is speculated only if
+the drafter of the current epoch saw it from position 0; any failure ends the epoch, so no
+half-delivered update is ever trusted.
 """
 
 from __future__ import annotations
@@ -32,6 +34,67 @@ MAX_DEFERRED_RELEASES = 256  # released sequence ids that may wait for the next 
 
 
 @dataclass
+class StagedRows:
+    """Hidden-state rows of context a drafter that reads them (DFlash) has not been sent yet.
+
+    Each forward writes its tokens' rows to the staging buffer, and an update names where
+    (`staging_row`). A step that sends no Propose copies those rows out (`hold`) before the
+    next forward overwrites them; when a Propose goes, `restage` packs each update's held
+    rows and its fresh ones into consecutive staging rows and points the update at them."""
+
+    fresh: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id → (first row, count), last forward's
+    held: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # seq_id → copied rows [count, width], in order
+    held_rows: int = 0
+
+    def note_fresh(self, seq_id: int, row: int, count: int) -> None:
+        if count > 0:
+            self.fresh[seq_id] = (row, count)
+
+    def rows_after_holding(self) -> int:
+        return self.held_rows + sum(count for _, count in self.fresh.values())
+
+    def hold(self, staging: torch.Tensor) -> None:
+        """Copy the last forward's rows out of `staging` [rows, width]: the next forward reuses it."""
+        for seq_id, (row, count) in self.fresh.items():
+            self.held.setdefault(seq_id, []).append(staging[row : row + count].clone())  # [count, width]
+            self.held_rows += count
+        self.fresh.clear()
+
+    def restage(self, staging: torch.Tensor, updates: dict[int, dpb.SequenceUpdate]) -> None:
+        """Each update's held rows, then its fresh ones, packed from row 0 of `staging`; the
+        caller guaranteed they fit (`rows_after_holding` was checked against every deferral)."""
+        if not self.held:
+            self.fresh.clear()
+            return
+        spans, parts, row = [], [], 0
+        for seq_id, update in updates.items():
+            chunks = self.held.get(seq_id, [])
+            if seq_id in self.fresh:
+                first, count = self.fresh[seq_id]
+                chunks = [*chunks, staging[first : first + count]]
+            if not chunks:
+                continue
+            rows = sum(chunk.shape[0] for chunk in chunks)
+            spans.append((update, row))
+            parts.extend(chunks)
+            row += rows
+        packed = torch.cat(parts)  # [rows, width]: a copy, so fresh rows may be overwritten below
+        staging[: packed.shape[0]].copy_(packed)
+        for update, first in spans:
+            update.staging_row = first
+        self.clear()
+
+    def drop(self, seq_id: int) -> None:
+        self.held_rows -= sum(chunk.shape[0] for chunk in self.held.pop(seq_id, []))
+        self.fresh.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self.fresh.clear()
+        self.held.clear()
+        self.held_rows = 0
+
+
+@dataclass
 class Speculator:
     """Metrics are passed to each call, not kept: the engine decides where a step's counts go
     (warmup steps count nowhere that Prometheus reads)."""
@@ -46,6 +109,7 @@ class Speculator:
     policy: DraftPolicy | None = None  # how many drafts per step; None → a fixed K (set in __post_init__)
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
+    _staged: StagedRows = field(default_factory=StagedRows)
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -63,6 +127,7 @@ class Speculator:
         """A new epoch: nothing pending belongs to it."""
         self._pending.clear()
         self._released.clear()
+        self._staged.clear()
 
     def follows(self, seq: Sequence) -> bool:
         return self.link.ready and seq.drafter_epoch == self.epoch
@@ -121,8 +186,12 @@ class Speculator:
         if not updates and not self._released:
             return {}
         if self._may_defer(scheduled):
+            if self.shared.layout.staging is not None:
+                self._staged.hold(self.shared.pool.staging())
             self.policy.record_propose(len(updates), 0.0)  # this step's Propose cost nothing
             return {}
+        if self.shared.layout.staging is not None:
+            self._staged.restage(self.shared.pool.staging(), updates)
         for s in scheduled:  # pages added by this step's scheduling
             if s.seq.seq_id in updates:
                 self._attach_new_pages(updates[s.seq.seq_id], s.seq)
@@ -143,13 +212,18 @@ class Speculator:
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
     def _may_defer(self, scheduled: list[ScheduledSeq]) -> bool:
-        """A step that asks for no drafts need not call a drafter that reads no staging rows (n-gram, a
-        draft model): its updates carry only token ids and pages, so they are merged into the next
-        Propose that asks for drafts (record_step) instead of costing a round trip now. A drafter
-        that reads hidden states (DFlash) must copy this step's staging rows before the next forward
-        overwrites them, so it is called every step. Bounded: releases pile up at most MAX_DEFERRED."""
-        return (self.shared.layout.staging is None and len(self._released) < MAX_DEFERRED_RELEASES
-                and not any(s.num_lookahead_tokens for s in scheduled))
+        """A step that asks for no drafts need not call the drafter: its updates are merged into the
+        next Propose that asks for drafts (record_step) instead of costing a round trip now. For a
+        drafter that reads hidden states (DFlash) the rows they point at are held meanwhile, as long
+        as what is held, plus this step's rows, still fits the staging buffer when packed; past
+        that, a context-only Propose goes now. Releases pile up at most MAX_DEFERRED_RELEASES."""
+        if len(self._released) >= MAX_DEFERRED_RELEASES or any(s.num_lookahead_tokens for s in scheduled):
+            return False
+        staging = self.shared.layout.staging
+        if staging is None:
+            return True
+        step_rows = sum(s.num_query_tokens for s in scheduled)  # at most what the forward adds
+        return self._staged.rows_after_holding() + step_rows <= staging.rows
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int],
                       metrics: TargetMetrics) -> dict[int, list[int]]:
@@ -212,6 +286,7 @@ class Speculator:
                     staging_row=row,
                     last_token_id=seq.token_ids[seq.num_computed_tokens],
                 )
+            self._staged.note_fresh(seq.seq_id, row, count)
             self._attach_new_pages(update, seq)
             self._pending[seq.seq_id] = update
 
@@ -219,3 +294,4 @@ class Speculator:
         if self.follows(seq):
             self._released.append(seq.seq_id)
         self._pending.pop(seq.seq_id, None)
+        self._staged.drop(seq.seq_id)

@@ -18,9 +18,9 @@ from draft_service.drafters import DrafterConfig
 from draft_service.local import LocalDrafterStub
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams
 from target_service.config import EngineConfig
-from target_service.draft_policy import CostTable
+from target_service.draft_policy import CostTable, DraftPolicy
 from target_service.engine import build_engine_core
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.tiny_models import PROMPTS, REFERENCE_DFLASH_K, TARGET_LAYERS, make_qwen3, make_reference_dflash
 
 K = 4
 MAX_TOKENS = 80
@@ -149,3 +149,77 @@ def test_drafts_that_are_always_accepted_keep_being_asked_for(checkpoints, tmp_p
     # and the last steps, where max_tokens leaves room for fewer
     assert decided.count(K) >= len(decided) - len(decided) // PROBE_EVERY - 2, decided
     core.close()
+
+
+class ScriptedPolicy(DraftPolicy):
+    """Asks for the drafts of a script, step after step (then all K): which steps defer their
+    context is chosen by the test, not by timing."""
+
+    def __init__(self, max_k: int, script: list[int]) -> None:
+        super().__init__(max_k)
+        self._script = iter(script)
+
+    def decide(self, num_seqs: int, base_tokens: int, max_k: int) -> int:
+        return min(next(self._script, self.max_k), max_k)
+
+
+def _dflash_core(checkpoints_dflash, shm_dir, budget: int, script: list[int], defer: bool):
+    target, dflash = checkpoints_dflash
+    stub = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(dflash), target_model=str(target),
+                                          shm_dir=str(shm_dir)))
+    config = EngineConfig(model=str(target), cache=CacheConfig(cache_dtype="float32", shm_dir=str(shm_dir)),
+                          drafter="in-process", internal_token="unused", num_speculative_tokens=REFERENCE_DFLASH_K,
+                          max_num_batched_tokens=budget)
+    core = build_engine_core(config, drafter_stub=stub)
+    assert core.link.ready, core.link.detail
+    core.speculator.policy = ScriptedPolicy(REFERENCE_DFLASH_K, script)
+    if not defer:  # the path before deferral: a context-only Propose at every step
+        core.speculator._may_defer = lambda scheduled: False
+    drafts: list[dict[int, list[int]]] = []
+    propose = core.speculator.propose
+
+    def recording_propose(scheduled, metrics):
+        drafts.append(answer := propose(scheduled, metrics))
+        return answer
+
+    core.speculator.propose = recording_propose
+    return core, drafts
+
+
+@pytest.fixture(scope="module")
+def checkpoints_dflash(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("adaptive-dflash")
+    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
+    tok = AutoTokenizer.from_pretrained(target)
+    return target, make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+
+
+@pytest.mark.parametrize(("budget", "script"), [
+    (128, [0, 0, 0, 4, 0, 0, 2, 0, 4, 1, 0, 0, 0, 0, 0, 3] * 3),  # short runs of k = 0: held, then restaged
+    (16, [0] * 30 + [4, 0, 0, 4] + [0] * 20),  # long runs overflow 16 staging rows: context-only Proposes
+])
+def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(checkpoints_dflash, tmp_path, budget,
+                                                                           script):
+    """DFlash reads the target's hidden states from staging rows the next forward overwrites. A
+    step that asks for no drafts sends no Propose: its rows are held and packed in front of the
+    next Propose's own. The drafter then drafts exactly what it drafts when told every step."""
+    results = {}
+    for defer in (True, False):
+        shm_dir = tmp_path / f"shm-{defer}"
+        shm_dir.mkdir()
+        core, drafts = _dflash_core(checkpoints_dflash, shm_dir, budget, script, defer)
+        before = core.link.num_proposes
+        reference, _, _ = _generate(core, PROMPTS[0], speculate=False)
+        tokens, chosen, usage = _generate(core, PROMPTS[0])
+        assert tokens == reference
+        results[defer] = ([d for d in drafts if d], core.link.num_proposes - before, chosen, usage)
+        core.close()
+    held, told = results[True], results[False]
+    assert held[0] == told[0] and len(held[0]) >= 4  # the same drafts, step for step
+    assert held[3].accepted_tokens == told[3].accepted_tokens
+    steps_asking = sum(1 for k in held[2] if k)
+    assert held[1] < told[1]  # fewer round trips ...
+    if budget >= 128:
+        assert held[1] <= steps_asking + 4  # ... at most the prefill's and those asking for drafts

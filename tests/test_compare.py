@@ -25,12 +25,13 @@ def test_compare_runs_every_row(tmp_path, capsys):
     out = capsys.readouterr().out
     for row in range(1, 9):
         assert f"\n| {row} | " in out
-    assert "row 7 / row 8 step time" in out and "Targets:" in out
+    assert "row 7 / row 8 step time" in out and "Targets (issue 13):" in out
+    assert "verify step / row 4 decode step" in out and "row 4 / row 1 tokens/s at concurrency 1" in out
     # rows 7 and 8 break the split's cost down from both processes' Propose histograms
     assert "| in drafter ms |" in out and "the split adds" in out
     row7 = next(line for line in out.splitlines() if line.startswith("| 7 | "))
-    propose_ms, drafter_ms = (float(cell) for cell in row7.split("|")[9:11])
-    assert 0 < drafter_ms < propose_ms
+    verify_ms, propose_ms, drafter_ms = (float(cell) for cell in row7.split("|")[9:12])
+    assert 0 < drafter_ms < propose_ms and verify_ms > 0
 
 
 def test_propose_rtt_times_a_live_drafter(capsys):

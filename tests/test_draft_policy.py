@@ -103,23 +103,36 @@ def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: 
     return policy
 
 
-def test_policy_stops_asking_after_rejections_and_still_probes():
+def probe_positions(choices: list[int], usual: int) -> list[int]:
+    return [i for i, k in enumerate(choices) if k != usual]
+
+
+def test_policy_stops_asking_after_rejections_and_probes_ever_more_rarely():
     policy = measured_policy(0.05 * DECODE, 0.001)
+    policy.max_probe_every = 32
     assert policy.decide(1, 1, K) > 0  # the prior (0.6 per position) says drafts pay here
     for _ in range(60):
         policy.record_verify(K, 0)  # every first draft rejected
-    choices = [policy.decide(1, 1, K) for _ in range(16)]
-    assert choices.count(0) == 12 and choices.count(1) == 4  # k=0, with a one-draft probe every 4th step
+    choices = [policy.decide(1, 1, K) for _ in range(200)]
+    probes = probe_positions(choices, 0)
+    assert {choices[i] for i in probes} == {1}  # a probe asks for one draft
+    # each probe that finds drafts still do not pay doubles the gap, up to max_probe_every
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [8, 16, 32] and set(gaps[3:]) == {32}, probes
 
 
 def test_policy_recovers_when_the_drafter_gets_good_again():
     policy = measured_policy(0.05 * DECODE, 0.001)
     for _ in range(60):
         policy.record_verify(K, 0)
-    assert policy.decide(1, 1, K) == 0
+    assert [policy.decide(1, 1, K) for _ in range(40)].count(0) == 37  # probes after 4, 8, 16 decisions
     for _ in range(60):  # the probes' drafts are accepted from now on
         policy.record_verify(K, K)
-    assert policy.decide(1, 1, K) == K
+    choices = [policy.decide(1, 1, K) for _ in range(40)]
+    assert choices.count(K) >= 30, choices
+    # drafting pays again: probes (of k = 0, at K) come every probe_every decisions again
+    tail = probe_positions(choices[choices.index(K):], K)
+    assert all(b - a == 4 for a, b in zip(tail[1:], tail[2:])), choices
 
 
 def test_policy_asks_for_k_before_anything_is_measured_and_fixed_always_asks_for_k():
