@@ -4,15 +4,16 @@ Asking each of n decoding sequences for k drafts pays when the step's expected e
 tokens per second beat those of a step without drafts:
 
     tokens(k)  = n · (1 + Σ_{i=1..k} Π_{j=1..i} p_j)
-    seconds(k) = forward(base + n·k) + propose(n·(k+1))
+    seconds(k) = forward(base + n·k) + propose(n·(k+1))      (k ≥ 1; seconds(0) = forward(base))
     k*         = argmax_{0 ≤ k ≤ K} tokens(k) / seconds(k)      (k = 0 unless k* beats it by `min_gain`)
 
 - p_j: P(draft j accepted | drafts 1..j-1 accepted), an exponentially weighted estimate
   per draft position over the verifies of the current drafter epoch (`AcceptanceEstimate`).
 - forward(T): measured seconds of one forward with T query tokens in all (`CostTable`,
   an EWMA per width, monotone and piecewise linear between measured widths).
-- propose(W): the measured `Propose` round trip by draft positions asked (n·(k+1); a step
-  without drafts still sends the context update, W = n), transport included.
+- propose(W): the measured `Propose` round trip by draft positions asked (n·(k+1)),
+  transport included. A step without drafts sends none (speculation.py defers its
+  context to the next Propose that asks for drafts, whose measured cost includes it).
 
 Only how many drafts are asked changes: the accept/reject rule is untouched, so the
 output is the same whatever the policy decides. `fixed` always asks for K (the policy
@@ -45,7 +46,7 @@ def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_t
     if max_k <= 0 or num_seqs <= 0:
         return 0
     best_k = 0
-    best_rate = num_seqs / (forward_seconds(base_tokens) + propose_seconds(num_seqs))
+    best_rate = num_seqs / forward_seconds(base_tokens)
     threshold = best_rate * (1.0 + min_gain)
     for k in range(1, max_k + 1):
         seconds = forward_seconds(base_tokens + num_seqs * k) + propose_seconds(num_seqs * (k + 1))
@@ -82,14 +83,27 @@ class AcceptanceEstimate:
             self._p[j] += self.alpha * (hit - self._p[j])
 
 
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in squared error (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
 @dataclass
 class CostTable:
     """Seconds by a width (query tokens, draft positions): an EWMA per measured width.
 
     Estimates are monotone in the width (a wider step never looks cheaper than a narrower
-    one, so noise cannot make drafts look free): linear between measured widths, flat below
-    the narrowest, and beyond the widest extended by the last slope, or by `prior_slope`
-    × (seconds per unit of the widest) when only one width is known."""
+    one, so noise cannot make drafts look free): the isotonic fit of the per-width means
+    (adjacent widths out of order are pooled into their mean, so one slow outlier raises
+    its neighbours a little instead of every wider width to its own value), linear between
+    measured widths, flat below the narrowest, and beyond the widest extended by the last
+    slope, or by `prior_slope` × (seconds per unit of the widest) when only one is known."""
 
     alpha: float = 0.3
     prior_slope: float = 0.15
@@ -118,10 +132,7 @@ class CostTable:
         if not self._seconds:
             return 0.0
         widths = sorted(self._seconds)
-        values, running = [], 0.0
-        for w in widths:  # the monotone envelope
-            running = max(running, self._seconds[w])
-            values.append(running)
+        values = isotonic([self._seconds[w] for w in widths])
         if width <= widths[0]:
             return values[0]
         if width >= widths[-1]:

@@ -20,6 +20,7 @@ import uuid
 
 import torch
 
+from common.cpu_linear import pack_cpu_linears
 from common.dtypes import config_dtype, resolve_model_dtype
 from common.kv_pool import PagePool, remove_stale_shm_files
 from common.pool_transport import check_ipc_allocator
@@ -51,6 +52,7 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     tokenizer_path = resolve_model_path(config.tokenizer, config.hf_cache_dir) if config.tokenizer else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     model = Qwen3ForCausalLM.from_pretrained(model_path, dtype=dtype, device=device)
+    pack_cpu_linears(model, log)
 
     target_id = uuid.uuid4().hex[:16]
     backend_cls = choose_backend(config, model, device)

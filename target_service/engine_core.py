@@ -136,9 +136,11 @@ class EngineCore:
         emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
                                                   [t.generator for t in tracked])  # host lists: the device is done
         seconds = time.perf_counter() - started
-        self.metrics.observe_forward(seconds, verified=bool(drafts),
-                                     prefilled=any(s.num_query_tokens > 1 for s in plan.scheduled))
-        if spec is not None:
+        prefilled = any(s.num_query_tokens > 1 for s in plan.scheduled)
+        self.metrics.observe_forward(seconds, verified=bool(drafts), prefilled=prefilled)
+        if spec is not None and not prefilled:
+            # The policy prices decode and verify steps only: a prefill chunk's tokens cost less
+            # each (no logits, one sequence), and would make wide verifies look cheap.
             query_tokens = sum(s.num_query_tokens for s in plan.scheduled) + sum(map(len, drafts.values()))
             spec.policy.record_forward(query_tokens, seconds)
         computed_before = self._advance(plan.scheduled)

@@ -188,7 +188,6 @@ class Speculator:
         if self._may_defer(scheduled):
             if self.shared.layout.staging is not None:
                 self._staged.hold(self.shared.pool.staging())
-            self.policy.record_propose(len(updates), 0.0)  # this step's Propose cost nothing
             return {}
         if self.shared.layout.staging is not None:
             self._staged.restage(self.shared.pool.staging(), updates)
@@ -207,8 +206,9 @@ class Speculator:
             return {}
         elapsed = time.monotonic() - started
         metrics.propose_latency.observe(elapsed)
-        # width: draft positions asked, n·(k+1); a context-only update counts 1
-        self.policy.record_propose(sum(u.num_speculative_tokens + 1 for u in request.sequences), elapsed)
+        asked = [u.num_speculative_tokens for u in request.sequences if u.num_speculative_tokens]
+        if asked:  # priced by draft positions, n·(k+1); a context-only call (a prefill's, mostly) is not a k's
+            self.policy.record_propose(sum(asked) + len(asked), elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
     def _may_defer(self, scheduled: list[ScheduledSeq]) -> bool:

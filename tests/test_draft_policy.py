@@ -8,7 +8,7 @@ import pytest
 
 from target_service.config import EngineConfig
 from target_service.draft_policy import (AcceptanceEstimate, CostTable, DraftPolicy, choose_num_drafts,
-                                         expected_tokens)
+                                         expected_tokens, isotonic)
 
 K = 8
 DECODE = 0.006  # seconds of a one-token forward
@@ -85,13 +85,23 @@ def test_cost_table_is_monotone_interpolated_and_extrapolated():
     assert table.estimate(2) == 0.010  # flat below the narrowest width
     assert table.estimate(8) == pytest.approx(0.010 + 0.1 * 0.010 / 4 * 4)  # the prior slope
     table.observe(8, 0.008)  # noise: a wider step measured cheaper
-    assert table.estimate(8) == 0.010  # never below a narrower width
+    assert table.estimate(8) == table.estimate(4) == pytest.approx(0.009)  # pooled: never below a narrower width
     table.observe(8, 0.020)  # EWMA: 0.008 + 0.5 * (0.020 - 0.008) = 0.014
     assert table.estimate(8) == pytest.approx(0.014)
     assert table.estimate(6) == pytest.approx(0.012)
     assert table.estimate(12) == pytest.approx(0.018)  # the last slope
     table.observe(0, 1.0)  # nonsense widths are ignored
     assert table.estimate(1) == 0.010
+
+
+def test_one_slow_outlier_does_not_make_every_wider_step_look_as_slow():
+    table = CostTable()
+    for width, seconds in ((1, 0.004), (2, 0.012), (3, 0.0044), (4, 0.0046), (5, 0.0048), (9, 0.0056)):
+        table.observe(width, seconds)  # width 2 was measured once, during a stall
+    estimates = [table.estimate(w) for w in range(1, 10)]
+    assert estimates == sorted(estimates)  # still monotone
+    assert estimates[-1] < 0.008  # the running maximum made it 0.012
+    assert isotonic([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
 
 
 def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: bool = True) -> DraftPolicy:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from common.attention_metadata import AttentionMetadata
+from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from common.weights import load_config, resolve_model_path, safetensors_files
@@ -107,8 +108,10 @@ class DFlashDrafter(PooledDrafter):
              k: int | None, attention_backend: str = "auto") -> DFlashDrafter:
         """`k` above the model's cap (block_size - 1) is lowered to it, with a warning."""
         heads = load_target_heads(target_path, dtype, device)
+        pack_cpu_linears(heads, log)  # before TargetHeads takes its lm_head
         target = TargetHeads(embed=heads.embed, lm_head=heads.lm_head)
         model = DFlashDraftModel.from_pretrained(path, target, dtype, device)
+        pack_cpu_linears(model, log)
         limit = model.num_speculative_tokens
         if k is not None and k > limit:
             log.warning("--num-speculative-tokens %d exceeds DFlash block_size - 1; using %d", k, limit)

@@ -10,10 +10,12 @@ reserved pages for last_pos + K, and the part it accepts is kept as valid contex
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from common.attention_metadata import AttentionMetadata
+from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from draft_service.drafters.base import (
@@ -26,6 +28,8 @@ from draft_service.drafters.base import (
     mismatch,
     raise_mismatches,
 )
+
+log = logging.getLogger(__name__)
 
 
 class DraftModelDrafter(PooledDrafter):
@@ -43,6 +47,7 @@ class DraftModelDrafter(PooledDrafter):
     def load(cls, path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int,
              attention_backend: str = "auto") -> DraftModelDrafter:
         model = Qwen3ForCausalLM.from_pretrained(path, dtype, device)
+        pack_cpu_linears(model, log)
         return cls(model, cache_config, k, model_id=str(path), attention_backend=attention_backend)
 
     # -- handshake ------------------------------------------------------------------------

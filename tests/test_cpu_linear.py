@@ -1,0 +1,52 @@
+"""oneDNN-packed CPU linears (common/cpu_linear.py): the same products as `nn.Linear` on
+either path, the model's parameters and state dict untouched, tied weights still tied."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from common.cpu_linear import MIN_PACKED_ROWS, PackedLinear, pack_cpu_linears
+from common.qwen3 import Qwen3ForCausalLM
+from tests.tiny_models import make_qwen3
+
+log = logging.getLogger(__name__)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 9, 72])
+def test_packed_linear_computes_what_nn_linear_does(bias, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-4, atol=1e-5)
+        stacked = torch.randn(3, rows, 96)  # [B, T, in]: any leading shape
+        torch.testing.assert_close(packed(stacked), linear(stacked), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_is_packed_in_place_with_its_parameters_and_state_dict_unchanged(tmp_path):
+    path = make_qwen3(tmp_path / "m", tie_word_embeddings=True)
+    model = Qwen3ForCausalLM.from_pretrained(path, torch.float32, "cpu")
+    reference = Qwen3ForCausalLM.from_pretrained(path, torch.float32, "cpu")
+    keys = set(model.state_dict())
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_cpu_linears(model, log) == linears > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert set(model.state_dict()) == keys
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    hidden = torch.randn(12, model.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(hidden), reference.compute_logits(hidden),
+                                   rtol=1e-4, atol=1e-4)
+    assert model.fingerprint() == reference.fingerprint()
+
+
+def test_only_float32_cpu_layers_are_packed():
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8, device="meta"))
+    assert pack_cpu_linears(model, log) == 0
+    assert all(type(m) is nn.Linear for m in model)
