@@ -176,14 +176,16 @@ def _dflash_core(checkpoints_dflash, shm_dir, budget: int, script: list[int], de
     if not defer:  # the path before deferral: a context-only Propose at every step
         core.speculator._may_defer = lambda scheduled: False
     drafts: list[dict[int, list[int]]] = []
+    unwritten: list[int] = []  # after each Propose: context rows the drafter holds unwritten
     propose = core.speculator.propose
 
     def recording_propose(scheduled, metrics):
         drafts.append(answer := propose(scheduled, metrics))
+        unwritten.append(sum(seq.context_len - seq.num_context for seq in stub.host.drafter.sequences.values()))
         return answer
 
     core.speculator.propose = recording_propose
-    return core, drafts
+    return core, drafts, unwritten
 
 
 @pytest.fixture(scope="module")
@@ -201,24 +203,31 @@ def checkpoints_dflash(tmp_path_factory):
     (16, [0] * 30 + [4, 0, 0, 4] + [0] * 20),  # long runs overflow 16 staging rows: context-only Proposes
 ])
 def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(checkpoints_dflash, tmp_path, budget,
-                                                                           script):
+                                                                           script, monkeypatch):
     """DFlash reads the target's hidden states from staging rows the next forward overwrites. A
     step that asks for no drafts sends no Propose: its rows are held and packed in front of the
-    next Propose's own. The drafter then drafts exactly what it drafts when told every step."""
+    next Propose's own. The drafter holds the rows it receives and writes their context K/V
+    only when the sequence drafts. Either way it drafts exactly what it drafts when told, and
+    writes, every step ("eager")."""
+    from draft_service.drafters import dflash
+
     results = {}
-    for defer in (True, False):
-        shm_dir = tmp_path / f"shm-{defer}"
+    for mode in ("held", "told", "eager"):
+        if mode == "eager":
+            monkeypatch.setattr(dflash, "MAX_HELD_ROWS", 1)  # every row received is written at once
+        shm_dir = tmp_path / f"shm-{mode}"
         shm_dir.mkdir()
-        core, drafts = _dflash_core(checkpoints_dflash, shm_dir, budget, script, defer)
+        core, drafts, unwritten = _dflash_core(checkpoints_dflash, shm_dir, budget, script, defer=mode == "held")
         before = core.link.num_proposes
         reference, _, _ = _generate(core, PROMPTS[0], speculate=False)
         tokens, chosen, usage = _generate(core, PROMPTS[0])
         assert tokens == reference
-        results[defer] = ([d for d in drafts if d], core.link.num_proposes - before, chosen, usage)
+        results[mode] = ([d for d in drafts if d], core.link.num_proposes - before, chosen, usage, unwritten)
         core.close()
-    held, told = results[True], results[False]
-    assert held[0] == told[0] and len(held[0]) >= 4  # the same drafts, step for step
-    assert held[3].accepted_tokens == told[3].accepted_tokens
+    held, told, eager = results["held"], results["told"], results["eager"]
+    assert held[0] == told[0] == eager[0] and len(held[0]) >= 4  # the same drafts, step for step
+    assert held[3].accepted_tokens == told[3].accepted_tokens == eager[3].accepted_tokens
+    assert max(told[4]) > 0 and max(eager[4]) == 0  # told: context received, not yet written
     steps_asking = sum(1 for k in held[2] if k)
     assert held[1] < told[1]  # fewer round trips ...
     if budget >= 128:

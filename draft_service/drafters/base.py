@@ -91,6 +91,9 @@ class DraftSequence:
     # Tokens whose draft KV was written, as scratch, at positions num_context, +1, ...
     # (a draft LM's own drafts); the prefix the target accepts stays valid.
     scratch_token_ids: list[int] = field(default_factory=list)
+    # Hidden-state rows received for positions num_context .. whose KV is not written yet
+    # (DFlash writes a sequence's context only when it drafts): each [n, width], in order.
+    held_rows: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,10 @@ from draft_service.drafters.base import (
 
 log = logging.getLogger(__name__)
 
+# Rows a sequence may hold before its context K/V is written even though it drafts no
+# more (bounds the drafter's memory: 256 rows of 3 target layers x 256 floats are 768 KB).
+MAX_HELD_ROWS = 256
+
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
 
@@ -143,9 +147,17 @@ class DFlashDrafter(PooledDrafter):
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
-        self._write_context([(seq, rows) for seq, rows, _ in items if rows is not None and rows.shape[0] > 0])
+        """Context K/V is written lazily: a sequence's rows are held until it drafts (or holds
+        MAX_HELD_ROWS), so steps that send context without asking for drafts cost a copy."""
+        for seq, rows, _ in items:
+            if rows is not None and rows.shape[0] > 0:
+                seq.held_rows.append(rows)
+        counts = self._draft_counts(items)
+        drafting = {seq.seq_id for seq, _ in counts}
+        self._write_context([seq for seq, _, _ in items if seq.held_rows and (
+            seq.seq_id in drafting or sum(rows.shape[0] for rows in seq.held_rows) >= MAX_HELD_ROWS)])
         # Block slots p .. p + k lie in the sequence's pages; p >= 1 context token.
-        wanted = [(seq, k) for seq, k in self._draft_counts(items) if seq.num_context == seq.context_len >= 1]
+        wanted = [(seq, k) for seq, k in counts if seq.num_context == seq.context_len >= 1]
         drafts: dict[int, list[int]] = {}
         by_k = sorted(wanted, key=lambda item: item[1])
         for k, group in itertools.groupby(by_k, key=lambda item: item[1]):  # one forward per distinct k
@@ -173,10 +185,13 @@ class DFlashDrafter(PooledDrafter):
         last = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
         self.model.propose(last, [ctx], [page_table], kv_caches, self._backend, num_tokens=self.num_speculative_tokens)
 
-    def _write_context(self, pending: list[tuple[DraftSequence, torch.Tensor]]) -> None:
-        """Context K/V of the rows each sequence just received: positions num_context ..; batched."""
-        if not pending:
+    def _write_context(self, seqs: list[DraftSequence]) -> None:
+        """Context K/V of the rows each sequence holds: positions num_context ..; batched."""
+        if not seqs:
             return
+        pending = [(seq, torch.cat(seq.held_rows) if len(seq.held_rows) > 1 else seq.held_rows[0]) for seq in seqs]
+        for seq in seqs:
+            seq.held_rows = []
         query_lens = [rows.shape[0] for _, rows in pending]
         meta = AttentionMetadata.build(
             query_lens=query_lens,
