@@ -109,6 +109,7 @@ class CostTable:
     prior_slope: float = 0.15
     max_widths: int = 4096  # widths are bounded by the token budget; this bounds the table regardless
     _seconds: dict[int, float] = field(default_factory=dict)
+    _fit: tuple[list[int], list[float]] | None = None  # (widths, isotonic values) until the next observe
 
     def observe(self, width: int, seconds: float) -> None:
         if width <= 0 or seconds < 0:
@@ -120,9 +121,18 @@ class CostTable:
             self._seconds[width] = seconds
         else:
             self._seconds[width] = old + self.alpha * (seconds - old)
+        self._fit = None
 
     def clear(self) -> None:
         self._seconds.clear()
+        self._fit = None
+
+    def _fitted(self) -> tuple[list[int], list[float]]:
+        """Fitted once per change, not per estimate: a decision asks for 2·(K+1) estimates."""
+        if self._fit is None:
+            widths = sorted(self._seconds)
+            self._fit = widths, isotonic([self._seconds[w] for w in widths])
+        return self._fit
 
     @property
     def known(self) -> bool:
@@ -131,8 +141,7 @@ class CostTable:
     def estimate(self, width: int) -> float:
         if not self._seconds:
             return 0.0
-        widths = sorted(self._seconds)
-        values = isotonic([self._seconds[w] for w in widths])
+        widths, values = self._fitted()
         if width <= widths[0]:
             return values[0]
         if width >= widths[-1]:

@@ -103,10 +103,11 @@ class TargetMetrics:
             "One step's forward (with sampling and acceptance), by kind: verify (drafts were checked), "
             "prefill (a prompt chunk ran, no drafts), decode (one new token per sequence).",
             ["kind"], buckets=PROPOSE_BUCKETS, registry=r)
+        self._forward_by_kind = {kind: self.forward_duration.labels(kind) for kind in ("verify", "prefill", "decode")}
 
     def observe_forward(self, seconds: float, verified: bool, prefilled: bool) -> None:
         kind = "verify" if verified else "prefill" if prefilled else "decode"
-        self.forward_duration.labels(kind).observe(seconds)
+        self._forward_by_kind[kind].observe(seconds)  # labels() per step costs a lock and a lookup
 
     def watch(self, state: Callable[[], EngineState]) -> None:
         """Expose the engine's state as gauges read at scrape time."""
