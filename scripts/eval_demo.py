@@ -104,7 +104,8 @@ class Row:
 
 def up_args(models: Path, drafter: str, k: int) -> argparse.Namespace:
     return argparse.Namespace(drafter=drafter, models=models, host="127.0.0.1", port=0, draft_port=0,
-                              num_speculative_tokens=k, drafter_timeout_s=30.0, max_num_seqs=8,
+                              num_speculative_tokens=k, speculative_policy="fixed",  # acceptance at K, every step
+                              drafter_timeout_s=30.0, max_num_seqs=8,
                               kv_cache_dtype="auto", shm_dir="/dev/shm", startup_timeout=600.0,
                               stop_timeout=20.0, log_level="warning")
 

@@ -57,6 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-gateway", action="store_true", help="do not start splitspec-gateway")
     p.add_argument("--served-model-name", default="splitspec-demo", help="the model name OpenAI clients pass")
     p.add_argument("--num-speculative-tokens", type=int, default=8, help="K: draft tokens per step")
+    p.add_argument("--speculative-policy", default="adaptive", choices=("adaptive", "fixed"),
+                   help="drafts per step: adaptive (0..K, what pays) or fixed (always K)")
     p.add_argument("--drafter-timeout-s", type=float, default=5.0, help="per-step Propose deadline")
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences in a running batch (sizes the KV pool)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV page dtype (auto: float32 on CPU; or fp8)")
@@ -210,6 +212,7 @@ def drafter_args(args: argparse.Namespace, target_dir: Path, draft_dir: Path | N
 
 def target_args(args: argparse.Namespace, target_dir: Path, drafter_address: str | None, port: int) -> list[str]:
     drafter = ["--drafter", drafter_address, "--num-speculative-tokens", str(args.num_speculative_tokens),
+               "--speculative-policy", args.speculative_policy,
                "--drafter-timeout-s", str(args.drafter_timeout_s)] if drafter_address else []
     return ["--model", str(target_dir), "--host", args.host, "--port", str(port), *drafter,
             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-dtype", args.kv_cache_dtype,
