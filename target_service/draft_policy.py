@@ -172,6 +172,7 @@ class DraftPolicy:
     _steps: int = 0
     _probe_gap: int = 0  # decisions from one probe to the next (0: not started, probe_every)
     _next_probe: int = 0  # the decision that probes
+    probing: bool = False  # the last decision was a probe (speculation.py asks one sequence only)
 
     def __post_init__(self) -> None:
         self.acceptance = AcceptanceEstimate(self.max_k)
@@ -185,6 +186,7 @@ class DraftPolicy:
         """k for this step's `num_seqs` decoding sequences; `base_tokens`: the step's query tokens
         without drafts; `max_k`: the most drafts anyone may ask for now (≤ the policy's K)."""
         max_k = min(max_k, self.max_k)
+        self.probing = False
         if not self.adaptive or max_k <= 0:
             return max(max_k, 0)
         self._steps += 1
@@ -203,6 +205,7 @@ class DraftPolicy:
             self._probe_gap = min(2 * self._probe_gap, self.max_probe_every) if k == 0 else self.probe_every
             self._next_probe = self._steps + self._probe_gap
             k = k + 1 if k < max_k else 0
+            self.probing = True
         return k
 
     def forget_measurements(self) -> None:

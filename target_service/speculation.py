@@ -110,6 +110,7 @@ class Speculator:
     _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
     _staged: StagedRows = field(default_factory=StagedRows)
+    _probe_turn: int = 0
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -161,6 +162,12 @@ class Speculator:
         if not limits:
             return {}
         k = self._choose_k(running, limits, metrics)
+        if k > 0 and self.policy.probing and len(limits) > 1:
+            # A probe asks one sequence (in turn): acceptance is learnt per draft position, and
+            # a probe of the whole batch would pay a wide verify and every sequence's catch-up.
+            self._probe_turn += 1
+            seq_id = sorted(limits)[self._probe_turn % len(limits)]
+            limits = {seq_id: limits[seq_id]}
         return {seq_id: min(limit, k) for seq_id, limit in limits.items() if k > 0}
 
     def _choose_k(self, running: list[Sequence], limits: dict[int, int], metrics: TargetMetrics) -> int:

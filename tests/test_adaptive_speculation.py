@@ -232,3 +232,30 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(chec
     assert held[1] < told[1]  # fewer round trips ...
     if budget >= 128:
         assert held[1] <= steps_asking + 4  # ... at most the prefill's and those asking for drafts
+
+
+def test_a_probe_asks_one_sequence_of_the_batch(checkpoints, tmp_path):
+    """While no draft pays, a probe asks one sequence (in turn) for its draft, not the batch:
+    the whole batch would pay a wider verify and every sequence's catch-up for one lesson."""
+    target, _, other = checkpoints
+    core = _core(target, other, tmp_path)
+    reserved: list[tuple[dict[int, int], bool]] = []
+    lookahead = core.speculator.lookahead
+
+    def recording_lookahead(running, metrics):
+        answer = lookahead(running, metrics)
+        if answer:
+            reserved.append((answer, core.speculator.policy.probing))
+        return answer
+
+    core.speculator.lookahead = recording_lookahead
+    for i, prompt in enumerate(PROMPTS[:4]):
+        core.add(EngineRequest(f"batch-{i}", tuple(core.tokenizer.encode(prompt)),
+                               stop=StopParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+    assert len(reserved[0][0]) == 4 and not reserved[0][1]  # at first every sequence drafts (nothing learnt)
+    probes = [answer for answer, probing in reserved if probing]
+    assert len(probes) >= 2 and all(len(answer) == 1 for answer in probes), reserved
+    assert len({next(iter(answer)) for answer in probes}) > 1  # taking turns
+    core.close()
