@@ -200,7 +200,8 @@ def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
 
 @dataclass
 class Loop:
-    """`steps` calls of `step(i)`, each a whole training step that returns its metrics (loss, …)."""
+    """`steps` calls of `step(i)`, each a whole training step that returns its metrics (loss, …);
+    `evaluate()` (no RNG, model left as found) `evaluations` times, evenly spread, the last at the end."""
 
     name: str
     steps: int
@@ -208,6 +209,14 @@ class Loop:
     optimizer: torch.optim.Optimizer
     step: Callable[[int], dict[str, float]]
     generators: dict[str, torch.Generator]
+    evaluate: Callable[[], dict[str, float]] | None = None
+    evaluations: int = 0
+
+    def evaluates_after(self, done_steps: int) -> bool:
+        if self.evaluate is None or self.evaluations < 1:
+            return False
+        every = max(1, self.steps // self.evaluations)
+        return done_steps == self.steps or (done_steps % every == 0 and self.steps - done_steps >= every)
 
 
 @dataclass
@@ -215,6 +224,7 @@ class LoopResult:
     metrics: dict[str, list[float]]  # per step
     seconds: float  # training time kept in the result, over all sessions
     resumed_from: list[int] = field(default_factory=list)  # the step each later session started at
+    evaluations: list[dict[str, float]] = field(default_factory=list)  # {"step": …, metric: …} each
 
     def tail_mean(self, metric: str, n: int = LOG_EVERY) -> float:
         values = self.metrics[metric][-n:]
@@ -225,9 +235,9 @@ class LoopResult:
         return [round(sum(values[i:i + every]) / len(values[i:i + every]), 4) for i in range(0, len(values), every)]
 
 
-def _loop_state(loop: Loop, step: int, metrics, seconds: float, resumed_from: list[int], done: bool) -> dict:
-    state = {"step": step, "done": done, "model": loop.model.state_dict(), "metrics": metrics,
-             "seconds": seconds, "resumed_from": resumed_from}
+def _loop_state(loop: Loop, step: int, result: LoopResult, done: bool) -> dict:
+    state = {"step": step, "done": done, "model": loop.model.state_dict(), "metrics": result.metrics,
+             "seconds": result.seconds, "resumed_from": result.resumed_from, "evaluations": result.evaluations}
     if not done:
         state |= {"optimizer": loop.optimizer.state_dict(), "rng": rng_state(loop.generators)}
     return state
@@ -237,37 +247,41 @@ def run_loop(loop: Loop, work: WorkDir, policy: CheckpointPolicy, pause: PausePo
     """Run `loop` to its end, from its checkpoint in `work` if there is one; leave the model trained."""
     path = work.file(f"{loop.name}.pt")
     state = load_checkpoint(path)
-    start, metrics, seconds, resumed_from = 0, {}, 0.0, []
+    start, result = 0, LoopResult({}, 0.0)
     if state is not None:
         loop.model.load_state_dict(state["model"])
-        metrics, seconds, resumed_from = state["metrics"], state["seconds"], state["resumed_from"]
+        result = LoopResult(state["metrics"], state["seconds"], state["resumed_from"], state["evaluations"])
         if state["done"]:
             log(f"{loop.name}: done in an earlier session, loaded from {path}")
-            return LoopResult(metrics, seconds, resumed_from)
+            return result
         loop.optimizer.load_state_dict(state["optimizer"])
         restore_rng(state["rng"], loop.generators)
         start = state["step"]
-        resumed_from = [*resumed_from, start]
+        result.resumed_from.append(start)
         log(f"{loop.name}: resuming at step {start + 1}/{loop.steps} from {path}")
     loop.model.train()
-    session_start = last_save = time.monotonic()
-    last_saved_step = start
+    kept_seconds, session_start = result.seconds, time.monotonic()
+    last_save, last_saved_step = session_start, start
     for step in range(start, loop.steps):
         for name, value in loop.step(step).items():
-            metrics.setdefault(name, []).append(value)
+            result.metrics.setdefault(name, []).append(value)
         done_steps = step + 1
         now = time.monotonic()
         if step % LOG_EVERY == 0 or done_steps == loop.steps:
             rate = (done_steps - start) / (now - session_start)
-            shown = " ".join(f"{name} {sum(v[-LOG_EVERY:]) / len(v[-LOG_EVERY:]):.3f}" for name, v in metrics.items())
+            shown = " ".join(f"{name} {sum(v[-LOG_EVERY:]) / len(v[-LOG_EVERY:]):.3f}"
+                             for name, v in result.metrics.items())
             log(f"{loop.name} step {done_steps}/{loop.steps} {shown} ({rate:.2f} steps/s)")
+        if loop.evaluates_after(done_steps):
+            values = loop.evaluate()
+            result.evaluations.append({"step": done_steps, **values})
+            log(f"{loop.name} after step {done_steps}: " + " ".join(f"{k} {v:.3f}" for k, v in values.items()))
+        result.seconds = kept_seconds + time.monotonic() - session_start
         if done_steps < loop.steps and policy.due(done_steps - last_saved_step, now - last_save):
-            atomic_save(_loop_state(loop, done_steps, metrics, seconds + now - session_start, resumed_from, False),
-                        path)
+            atomic_save(_loop_state(loop, done_steps, result, False), path)
             last_save, last_saved_step = time.monotonic(), done_steps
         if pause is not None:
             pause.check(loop.name, done_steps)
-    seconds += time.monotonic() - session_start
     loop.model.eval()
-    atomic_save(_loop_state(loop, loop.steps, metrics, seconds, resumed_from, True), path)
-    return LoopResult(metrics, seconds, resumed_from)
+    atomic_save(_loop_state(loop, loop.steps, result, True), path)
+    return result

@@ -30,7 +30,7 @@ CORPORA = ("stdlib", "stdlib+packages")  # what the LMs train on; the tokenizer 
 PACKAGES_STDLIB_SHARE = 0.5  # with the packages: the share of training windows still cut from the stdlib
 PRECISIONS = ("bf16", "fp32")  # bf16: autocast forward, fp32 weights and optimizer
 ADAMW_IMPLS = ("for-loop", "foreach", "fused")  # torch.optim.AdamW's implementations (same math)
-ADAMW_IMPL = "foreach"  # measured fastest here (bench/train_steps.py)
+ADAMW_IMPL = "foreach"  # the three are within 2% of each other here (bench/train_steps.py)
 
 
 @dataclass
@@ -81,6 +81,7 @@ class Sizes:
     corpus: str = "stdlib"  # one of CORPORA
     stdlib_share: float = 1.0  # with packages: the share of training windows cut from the stdlib
     precision: str = "bf16"  # one of PRECISIONS, for every training step
+    heldout_evals: int = 1  # held-out perplexity of the target this many times during its training (0: never)
     max_files: int | None = None  # smoke: train on the first stdlib files only
     threads: int = 2  # not part of what the run is: a resumed run may use other threads
 
@@ -99,14 +100,18 @@ class Sizes:
             raise ValueError(f"target_layer_ids {self.target_layer_ids} must name layers of the {self.layers}")
         if max(self.gen_prompt_lens) >= self.gen_total_len or self.gen_total_len > self.context:
             raise ValueError("prompts must be shorter than gen_total_len, and gen_total_len fit the context")
-        if self.threads < 1 or self.dflash_loss_gamma <= 0:
-            raise ValueError("threads must be ≥ 1 and dflash_loss_gamma > 0")
+        if self.threads < 1 or self.dflash_loss_gamma <= 0 or self.heldout_evals < 0:
+            raise ValueError("threads must be ≥ 1, dflash_loss_gamma > 0 and heldout_evals ≥ 0")
+        for heads, kv_heads in ((self.heads, self.kv_heads), (self.dflash_heads, self.dflash_kv_heads),
+                                (self.draft_heads, self.draft_kv_heads)):
+            if heads % kv_heads:
+                raise ValueError(f"{heads} attention heads do not share {kv_heads} key/value heads evenly")
 
 
 FULL = Sizes(
     vocab_size=4096, hidden=256, layers=6, intermediate=768, heads=4, kv_heads=2, head_dim=64, context=512,
     target_steps=1200, target_batch=8, target_lr=2e-3,
-    gen_prompt_lens=(8, 16, 24, 32, 48, 64, 80, 96), gen_prompts_per_len=192, gen_total_len=288, gen_batch=96,
+    gen_prompt_lens=(8, 16, 24, 32, 48, 64, 80, 96), gen_prompts_per_len=192, gen_total_len=288, gen_batch=192,
     dflash_layers=2, dflash_intermediate=768, dflash_heads=4, dflash_kv_heads=2, target_layer_ids=(1, 3, 5),
     block_size=9, dflash_steps=1500, dflash_batch=8, dflash_anchors=16, dflash_lr=1.5e-3,
     draft_hidden=192, draft_layers=2, draft_intermediate=576, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
@@ -335,8 +340,18 @@ class StepOptions:
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     def wrap(self, model: torch.nn.Module) -> Callable:
-        """The callable that runs `model`: compiled or not, it shares `model`'s parameters."""
-        return torch.compile(model) if self.compile else model
+        """The callable that runs `model`: compiled or not, it shares `model`'s parameters (one static
+        graph per input shape: a loop has one or two)."""
+        return torch.compile(model, dynamic=False) if self.compile else model
+
+
+def keep_temp_files_in(folder: Path) -> None:
+    """Point this process's temporary files at `folder`: torch.compile's kernel cache and its ~150 MB of
+    precompiled headers (which ignore TORCHINDUCTOR_CACHE_DIR) then stay with the run instead of /tmp."""
+    import tempfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tempfile.tempdir = str(folder)
 
 
 def lm_forward(model, options: StepOptions) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -348,6 +363,27 @@ def lm_forward(model, options: StepOptions) -> Callable[[torch.Tensor, torch.Ten
             return forward(input_ids=ids, labels=labels).loss
 
     return loss_of
+
+
+@torch.no_grad()
+def perplexity(model, documents: list[list[int]], window: int) -> tuple[float, int]:
+    """(perplexity, tokens scored) of a causal LM over `documents` (token ids, each ending in EOS), cut
+    into non-overlapping windows of `window` tokens; the figure of scripts/eval_demo.py."""
+    total_nll, total_tokens = 0.0, 0
+    for ids in documents:
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor(ids[start:start + window + 1])[None]
+            if chunk.shape[1] < 2:
+                continue
+            logits = model(input_ids=chunk[:, :-1]).logits.float()
+            total_nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+            total_tokens += chunk.shape[1] - 1
+    return math.exp(total_nll / total_tokens), total_tokens
+
+
+def heldout_documents(tokenizer) -> list[list[int]]:
+    """The held-out modules as token ids, each followed by EOS."""
+    return [tokenizer(read_text(path)).input_ids + [tokenizer.eos_token_id] for path in held_out_files()]
 
 
 def qwen3_config(sizes_vocab: int, tokenizer, *, hidden, layers, intermediate, heads, kv_heads, head_dim,

@@ -76,6 +76,8 @@ from demo_training import (
     Sizes,
     Source,
     StepOptions,
+    heldout_documents,
+    keep_temp_files_in,
     load_corpus,
     log,
     lm_forward,
@@ -83,6 +85,7 @@ from demo_training import (
     make_optimizer,
     mixed_windows,
     optimizer_step,
+    perplexity,
     qwen3_config,
     save_lm,
     stdlib_dir,
@@ -159,7 +162,7 @@ def target_config(sizes: Sizes, tokenizer):
 
 
 def lm_loop(ctx: Context, name: str, model, batches, steps: int, lr: float,
-            generators: dict[str, torch.Generator]) -> LoopResult:
+            generators: dict[str, torch.Generator], evaluate=None, evaluations: int = 0) -> LoopResult:
     """Next-token training of `model`; `batches(step)` → (ids [B, T], labels [B, T], -100 where ignored)."""
     params = list(model.parameters())
     opt = make_optimizer(params, lr)
@@ -172,7 +175,8 @@ def lm_loop(ctx: Context, name: str, model, batches, steps: int, lr: float,
         optimizer_step(opt, params, loss, lr_at(i, steps, lr, warmup))
         return {"loss": loss.item()}
 
-    return run_loop(Loop(name, steps, model, opt, step, generators), ctx.work, ctx.policy, ctx.pause)
+    return run_loop(Loop(name, steps, model, opt, step, generators, evaluate, evaluations), ctx.work, ctx.policy,
+                    ctx.pause)
 
 
 def target_stage(ctx: Context, streams: Streams, tokenizer):
@@ -187,7 +191,13 @@ def target_stage(ctx: Context, streams: Streams, tokenizer):
         ids = streams.windows(sizes.target_batch, sizes.context, generator)
         return ids, ids
 
-    result = lm_loop(ctx, "target", model, batches, sizes.target_steps, sizes.target_lr, {"windows": generator})
+    documents = heldout_documents(tokenizer)
+
+    def evaluate() -> dict[str, float]:  # the figure scripts/eval_demo.py gives, to watch a long run
+        return {"heldout_perplexity": perplexity(served_copy(model), documents, sizes.context)[0]}
+
+    result = lm_loop(ctx, "target", model, batches, sizes.target_steps, sizes.target_lr, {"windows": generator},
+                     evaluate, sizes.heldout_evals)
     return model, result
 
 
@@ -231,11 +241,34 @@ class Continuations:
 def greedy_continue(target, prompts: torch.Tensor, total_len: int) -> torch.Tensor:
     """[B, P] → [B, total_len]: the target's greedy continuation, decoded with a KV cache."""
     out = target(input_ids=prompts, use_cache=True)
-    cache, tokens = out.past_key_values, [out.logits[:, -1].argmax(-1)]
+    cache, tokens = out.cache, [out.logits[:, -1].argmax(-1)]
     for _ in range(total_len - prompts.shape[1] - 1):
-        out = target(input_ids=tokens[-1][:, None], past_key_values=cache, use_cache=True)
+        out = target(input_ids=tokens[-1][:, None], cache=cache, use_cache=True)
         tokens.append(out.logits[:, -1].argmax(-1))
     return torch.cat([prompts, torch.stack(tokens, dim=1)], dim=1)
+
+
+@torch.no_grad()
+def greedy_continue_with_features(target, prompts: torch.Tensor, total_len: int, layer_ids
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] → ([B, total_len] ids, [B, total_len, len(layer_ids) * hidden] float16 features): the
+    greedy continuation and the target's hidden states after `layer_ids` at every position, taken
+    from the decoding forwards themselves (as the served target hands them to the drafter)."""
+    from dflash.model import extract_context_feature
+
+    def step(ids, cache):
+        out = target(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+        features = extract_context_feature(out.hidden_states, list(layer_ids)).to(torch.float16)
+        return out.logits[:, -1].argmax(-1), out.cache, features
+
+    token, cache, features = step(prompts, None)
+    tokens, feature_steps = [token], [features]
+    for _ in range(total_len - prompts.shape[1]):  # the last forward only yields the last token's features
+        token, cache, features = step(tokens[-1][:, None], cache)
+        tokens.append(token)
+        feature_steps.append(features)
+    ids = torch.cat([prompts, torch.stack(tokens[:-1], dim=1)], dim=1)  # [B, total_len]
+    return ids, torch.cat(feature_steps, dim=1)
 
 
 @torch.no_grad()
@@ -280,8 +313,8 @@ def continuations_stage(ctx: Context, target, streams: Streams, eos_id: int) -> 
             if part.is_file():
                 continue
             started = time.monotonic()
-            ids = greedy_continue(target, prompts, sizes.gen_total_len)
-            features = target_features(target, ids, sizes.target_layer_ids).to(torch.float16)
+            ids, features = greedy_continue_with_features(target, prompts, sizes.gen_total_len,
+                                                          sizes.target_layer_ids)
             if not torch.isfinite(features).all():
                 raise RuntimeError("target hidden states overflow float16")
             prompt_len = prompts.shape[1]
@@ -481,13 +514,16 @@ def dir_megabytes(path: Path) -> float:
 
 
 def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: CheckpointPolicy = CheckpointPolicy(),
-        pause: PausePoint | None = None, restart: bool = False, keep_work: bool = False) -> dict:
+        pause: PausePoint | None = None, restart: bool = False, keep_work: bool = False,
+        compile_steps: bool = False) -> dict:
     torch.set_num_threads(sizes.threads)
     sources, held = load_corpus(sizes.corpus, sizes.max_files)
     for source in sources:
         log(f"corpus: {source.name}: {len(source.files)} files, {source.megabytes:.2f} MB")
     work = WorkDir(work_dir or out.with_name(out.name + ".partial"), run_identity(sizes, sources), restart)
-    ctx = Context(sizes, work, policy, StepOptions(precision=sizes.precision), pause)
+    if compile_steps:  # compiled kernels live (across sessions) and go with the work folder
+        keep_temp_files_in(work.file("tmp"))
+    ctx = Context(sizes, work, policy, StepOptions(precision=sizes.precision, compile=compile_steps), pause)
 
     tokenizer, streams = tokenizer_stage(ctx, sources)
     log(f"token streams: {dict(zip(streams.names, (s.numel() for s in streams.streams)))}")
@@ -504,7 +540,7 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
              "draft_distill": distill_run}
     history = {
         "sizes": asdict(sizes), "held_out": list(HELD_OUT), "python": sys.version.split()[0],
-        "torch": torch.__version__, "seed": SEED,
+        "torch": torch.__version__, "seed": SEED, "compiled": compile_steps,
         "stage_seconds": {name: round(s, 1) for name, s in stage_seconds.items()},
         "resumed_from": {"continuations": continuations["resumed_from"]}
                         | {name: r.resumed_from for name, r in loops.items()},
@@ -514,6 +550,7 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
         "train_tokens": sum(s.numel() for s in streams.streams),
         "held_out_files": [str(p.relative_to(stdlib_dir())) for p in held],
         "target_final_loss": target_run.tail_mean("loss"),
+        "target_heldout_perplexity": target_run.evaluations,  # the fp32-from-bf16 target, during training
         "continuations": int(data.ids.shape[0]),
         "continuation_tokens": int((data.valid_lens - data.prompt_lens).sum()),
         "dflash_final_loss": dflash_run.tail_mean("loss"),
@@ -557,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write a training loop's checkpoint this often (default: %(default)s)")
     parser.add_argument("--checkpoint-steps", type=int, default=None,
                         help="write it every this many steps instead (tests)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the training steps (default: on for the full run, off for --smoke)")
     parser.add_argument("--restart", action="store_true", help="delete the work folder first: start over")
     parser.add_argument("--keep-work", action="store_true", help="keep the work folder after writing --out")
     parser.add_argument("--pause-after", type=PausePoint.parse, default=None, help=argparse.SUPPRESS)  # tests
@@ -570,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dataclasses.replace(base, **changes)
     policy = CheckpointPolicy(every_seconds=args.checkpoint_minutes * 60, every_steps=args.checkpoint_steps)
     try:
-        run(sizes, args.out, args.work, policy, args.pause_after, args.restart, args.keep_work)
+        run(sizes, args.out, args.work, policy, args.pause_after, args.restart, args.keep_work,
+            compile_steps=not args.smoke if args.compile is None else args.compile)
     except ResumeRefused as refused:
         print(f"train_demo.py: {refused}", file=sys.stderr)
         return 2
