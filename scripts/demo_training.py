@@ -27,7 +27,7 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test",
                  "__pycache__"}
 MAX_FILE_BYTES = 300_000  # generated tables and data blobs are not code worth learning
 CORPORA = ("stdlib", "stdlib+packages")  # what the LMs train on; the tokenizer always learns the stdlib alone
-PACKAGES_STDLIB_SHARE = 0.5  # with the packages: the share of training windows still cut from the stdlib
+PACKAGES_STDLIB_SHARE = 0.2  # with the packages: the share of training windows still cut from the stdlib
 PRECISIONS = ("bf16", "fp32")  # bf16: autocast forward, fp32 weights and optimizer
 ADAMW_IMPLS = ("for-loop", "foreach", "fused")  # torch.optim.AdamW's implementations (same math)
 ADAMW_IMPL = "foreach"  # the three are within 2% of each other here (bench/train_steps.py)
