@@ -108,14 +108,19 @@ class Sizes:
                 raise ValueError(f"{heads} attention heads do not share {kv_heads} key/value heads evenly")
 
 
+# The recipe (bench/train_steps.py's figures, 2 idle cores): ~7.5 h, in sessions of any length (resumable).
+# target 10.4M params (20.9 MB in bf16): 28,000 steps x 8 x 512 = 115M tokens, 20% of them from the
+# stdlib, ~6.1 h at ~5,200 tokens/s compiled; 10,240 greedy continuations ~17 min; DFlash 16,000 steps
+# ~36 min; draft model ~21 min. All demo files ≈ 29.4 MB.
 FULL = Sizes(
-    vocab_size=4096, hidden=256, layers=6, intermediate=768, heads=4, kv_heads=2, head_dim=64, context=512,
-    target_steps=1200, target_batch=8, target_lr=2e-3,
-    gen_prompt_lens=(8, 16, 24, 32, 48, 64, 80, 96), gen_prompts_per_len=192, gen_total_len=288, gen_batch=192,
-    dflash_layers=2, dflash_intermediate=768, dflash_heads=4, dflash_kv_heads=2, target_layer_ids=(1, 3, 5),
-    block_size=9, dflash_steps=1500, dflash_batch=8, dflash_anchors=16, dflash_lr=1.5e-3,
-    draft_hidden=192, draft_layers=2, draft_intermediate=576, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
-    draft_pretrain_steps=500, draft_distill_steps=700, draft_batch=8, draft_distill_batch=16, draft_lr=2e-3,
+    vocab_size=4096, hidden=384, layers=6, intermediate=896, heads=6, kv_heads=3, head_dim=64, context=512,
+    target_steps=28_000, target_batch=8, target_lr=2e-3,
+    gen_prompt_lens=(8, 16, 32, 48, 64, 96, 128, 160), gen_prompts_per_len=1280, gen_total_len=288, gen_batch=192,
+    dflash_layers=2, dflash_intermediate=448, dflash_heads=6, dflash_kv_heads=3, target_layer_ids=(1, 3, 5),
+    block_size=9, dflash_steps=16_000, dflash_batch=8, dflash_anchors=16, dflash_lr=1.5e-3,
+    draft_hidden=192, draft_layers=2, draft_intermediate=448, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
+    draft_pretrain_steps=4000, draft_distill_steps=3000, draft_batch=8, draft_distill_batch=16, draft_lr=2e-3,
+    corpus="stdlib+packages", stdlib_share=PACKAGES_STDLIB_SHARE, heldout_evals=14,
 )
 SMOKE = Sizes(
     vocab_size=320, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16, context=128,
@@ -302,7 +307,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def warmup_steps(total: int) -> int:
-    return max(1, min(50, total // 10))
+    """Linear warmup: 50 steps, 2% of a long run, 10% of a short one."""
+    return max(1, min(total // 10, max(50, total // 50)))
 
 
 def make_optimizer(params, lr: float, impl: str = ADAMW_IMPL) -> torch.optim.Optimizer:

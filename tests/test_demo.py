@@ -230,6 +230,25 @@ def test_demo_files_fit_the_budget(demo_dir):
     assert 0 < total <= MAX_BYTES, f"{total / 1e6:.1f} MB of demo files"
 
 
+def test_full_recipe_fits_the_budget(smoke_dir):
+    """FULL's three models in bf16 plus the smoke run's non-weight files (tokenizer copies, configs)."""
+    from dflash.model import DFlashDraftModel
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    sizes = demo_training.FULL
+    tokenizer = AutoTokenizer.from_pretrained(smoke_dir / "tokenizer")
+    draft = demo_training.qwen3_config(sizes.vocab_size, tokenizer, hidden=sizes.draft_hidden,
+                                       layers=sizes.draft_layers, intermediate=sizes.draft_intermediate,
+                                       heads=sizes.draft_heads, kv_heads=sizes.draft_kv_heads,
+                                       head_dim=sizes.draft_head_dim, max_positions=sizes.context)
+    with torch.device("meta"):  # shapes only
+        models = [Qwen3ForCausalLM(train_demo.target_config(sizes, tokenizer)),
+                  DFlashDraftModel(train_demo.dflash_config(sizes, tokenizer)), Qwen3ForCausalLM(draft)]
+    weights = 2 * sum(p.numel() for model in models for p in model.parameters())
+    other = sum(f.stat().st_size for f in smoke_dir.rglob("*") if f.is_file() and f.suffix != ".safetensors")
+    assert weights + other <= MAX_BYTES - 200_000, f"{weights / 1e6:.2f} MB of weights + {other / 1e6:.2f} MB"
+
+
 def test_transformers_loads_target_and_tokenizer(demo_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
