@@ -32,6 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
+import demo_drafters  # noqa: E402
 import demo_training  # noqa: E402
 import train_demo  # noqa: E402
 
@@ -111,11 +112,11 @@ def bench_continuations(sizes, args) -> str:
 
     def decode():
         nonlocal ids
-        ids = train_demo.greedy_continue(model, prompts, total)
+        ids = demo_drafters.greedy_continue(model, prompts, total)
 
     decoding = timed(decode, 0, 1)
-    features = timed(lambda: train_demo.target_features(model, ids, sizes.target_layer_ids), 0, 1)
-    together = timed(lambda: train_demo.greedy_continue_with_features(model, prompts, total, sizes.target_layer_ids),
+    features = timed(lambda: demo_drafters.target_features(model, ids, sizes.target_layer_ids), 0, 1)
+    together = timed(lambda: demo_drafters.greedy_continue_with_features(model, prompts, total, sizes.target_layer_ids),
                      0, 1)
     generated = batch * (total - prompt_len)
     return (f"continuations batch {batch}, {prompt_len} + {total - prompt_len} tokens: decode {decoding.wall_s:.1f} s "
@@ -133,13 +134,13 @@ def bench_dflash(sizes, args) -> str:
     features = torch.randn(n_rows, sizes.gen_total_len, len(sizes.target_layer_ids) * sizes.hidden,
                            generator=generator).to(torch.float16)
     prompt_len = min(48, sizes.gen_total_len // 2)
-    data = train_demo.Continuations(ids, torch.full((n_rows,), prompt_len), torch.full((n_rows,), sizes.gen_total_len),
+    data = demo_drafters.Continuations(ids, torch.full((n_rows,), prompt_len), torch.full((n_rows,), sizes.gen_total_len),
                                     [features])
-    model = DFlashDraftModel(train_demo.dflash_config(sizes, FAKE_TOKENIZER)).train()
+    model = DFlashDraftModel(demo_drafters.dflash_config(sizes, FAKE_TOKENIZER)).train()
     params = list(model.parameters())
     opt = demo_training.make_optimizer(params, sizes.dflash_lr, args.optimizer)
     options = demo_training.StepOptions(precision=args.precision, compile=args.compile)
-    step_fn = train_demo.dflash_step_fn(model, target, data, sizes, FAKE_TOKENIZER.mask_token_id, opt, params,
+    step_fn = demo_drafters.dflash_step_fn(model, target, data, sizes, FAKE_TOKENIZER.mask_token_id, opt, params,
                                         generator, options)
     timing = timed(lambda: step_fn(0), args.warmup, args.steps)
     blocks = sizes.dflash_batch * sizes.dflash_anchors

@@ -1,8 +1,8 @@
 """What the stages of the demo training share: the corpus (with the held-out modules kept
 out), the run sizes and seed, and the training-step helpers.
 
-scripts/train_demo.py runs the stages; scripts/eval_demo.py and tests/test_demo.py read the
-corpus rules from here.
+scripts/train_demo.py runs the stages (with demo_drafters.py and demo_resume.py);
+scripts/eval_demo.py and tests/test_demo.py read the corpus rules from here.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from splitspec.v1 import generation_pb2 as pb
 from tests.procs import REPO_ROOT, free_port, stream_tokens
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import demo_drafters  # noqa: E402
 import demo_resume  # noqa: E402
 import demo_training  # noqa: E402
 import train_demo  # noqa: E402
@@ -243,7 +244,7 @@ def test_full_recipe_fits_the_budget(smoke_dir):
                                        head_dim=sizes.draft_head_dim, max_positions=sizes.context)
     with torch.device("meta"):  # shapes only
         models = [Qwen3ForCausalLM(train_demo.target_config(sizes, tokenizer)),
-                  DFlashDraftModel(train_demo.dflash_config(sizes, tokenizer)), Qwen3ForCausalLM(draft)]
+                  DFlashDraftModel(demo_drafters.dflash_config(sizes, tokenizer)), Qwen3ForCausalLM(draft)]
     weights = 2 * sum(p.numel() for model in models for p in model.parameters())
     other = sum(f.stat().st_size for f in smoke_dir.rglob("*") if f.is_file() and f.suffix != ".safetensors")
     assert weights + other <= MAX_BYTES - 200_000, f"{weights / 1e6:.2f} MB of weights + {other / 1e6:.2f} MB"
@@ -282,7 +283,7 @@ def test_dflash_generate_reproduces_target_greedy(demo_dir, monkeypatch):
     accepted = []
     for snippet in held_out_snippets(tokenizer, 2, 32):
         ids = tokenizer(snippet, return_tensors="pt").input_ids
-        expected = train_demo.greedy_continue(target, ids, ids.shape[1] + NEW_TOKENS)
+        expected = demo_drafters.greedy_continue(target, ids, ids.shape[1] + NEW_TOKENS)
         stats = dflash_generate(drafter, target, ids, NEW_TOKENS, None, return_stats=True)
         assert stats.output_ids.tolist() == expected.tolist(), snippet
         accepted += stats.acceptance_lengths
