@@ -1,16 +1,18 @@
 """What the stages of the demo training share: the corpus (with the held-out modules kept
-out), the run sizes and seed, and the training-loop helpers.
+out), the run sizes and seed, and the training-step helpers.
 
-scripts/train_demo.py runs the stages; scripts/eval_demo.py and tests/test_demo.py read the
-corpus rules from here.
+scripts/train_demo.py runs the stages (with demo_drafters.py and demo_resume.py);
+scripts/eval_demo.py and tests/test_demo.py read the corpus rules from here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sysconfig
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,11 +26,16 @@ DEFAULT_OUT = REPO_ROOT / "demo"
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data",
                  "__pycache__"}
 MAX_FILE_BYTES = 300_000  # generated tables and data blobs are not code worth learning
+CORPORA = ("stdlib", "stdlib+packages")  # what the LMs train on; the tokenizer always learns the stdlib alone
+PACKAGES_STDLIB_SHARE = 0.2  # with the packages: the share of training windows still cut from the stdlib
+PRECISIONS = ("bf16", "fp32")  # bf16: autocast forward, fp32 weights and optimizer
+ADAMW_IMPLS = ("for-loop", "foreach", "fused")  # torch.optim.AdamW's implementations (same math)
+ADAMW_IMPL = "foreach"  # the three are within 2% of each other here (bench/train_steps.py)
 
 
 @dataclass
 class Sizes:
-    """Every size and step count of one run (the full run or the smoke run)."""
+    """Every size, step count and data choice of one run (the full run or the smoke run)."""
 
     vocab_size: int
     # target
@@ -70,23 +77,55 @@ class Sizes:
     draft_batch: int
     draft_distill_batch: int
     draft_lr: float
-    max_files: int | None = None  # smoke: train on the first files only
-    threads: int = 2
+    dflash_loss_gamma: float = 4.0  # block position k (1-based) weighs exp(-(k - 1) / gamma)
+    corpus: str = "stdlib"  # one of CORPORA
+    stdlib_share: float = 1.0  # with packages: the share of training windows cut from the stdlib
+    precision: str = "bf16"  # one of PRECISIONS, for every training step
+    heldout_evals: int = 1  # held-out perplexity of the target this many times during its training (0: never)
+    max_files: int | None = None  # smoke: train on the first stdlib files only
+    threads: int = 2  # not part of what the run is: a resumed run may use other threads
+
+    def __post_init__(self) -> None:
+        self.gen_prompt_lens = tuple(self.gen_prompt_lens)
+        self.target_layer_ids = tuple(self.target_layer_ids)
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus must be one of {CORPORA}, not {self.corpus!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
+        if not 0.0 < self.stdlib_share <= 1.0:
+            raise ValueError(f"stdlib_share must be in (0, 1], not {self.stdlib_share}")
+        if self.corpus == "stdlib" and self.stdlib_share != 1.0:
+            raise ValueError("stdlib_share < 1 needs corpus 'stdlib+packages'")
+        if not self.target_layer_ids or max(self.target_layer_ids) >= self.layers or min(self.target_layer_ids) < 0:
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} must name layers of the {self.layers}")
+        if max(self.gen_prompt_lens) >= self.gen_total_len or self.gen_total_len > self.context:
+            raise ValueError("prompts must be shorter than gen_total_len, and gen_total_len fit the context")
+        if self.threads < 1 or self.dflash_loss_gamma <= 0 or self.heldout_evals < 0:
+            raise ValueError("threads must be ≥ 1, dflash_loss_gamma > 0 and heldout_evals ≥ 0")
+        for heads, kv_heads in ((self.heads, self.kv_heads), (self.dflash_heads, self.dflash_kv_heads),
+                                (self.draft_heads, self.draft_kv_heads)):
+            if heads % kv_heads:
+                raise ValueError(f"{heads} attention heads do not share {kv_heads} key/value heads evenly")
 
 
+# The recipe (bench/train_steps.py's figures, 2 idle cores): ~7.5 h, in sessions of any length (resumable).
+# target 10.4M params (20.9 MB in bf16): 28,000 steps x 8 x 512 = 115M tokens, 20% of them from the
+# stdlib, ~6.1 h at ~5,200 tokens/s compiled; 10,240 greedy continuations ~17 min; DFlash 16,000 steps
+# ~36 min; draft model ~21 min. All demo files ≈ 29.4 MB.
 FULL = Sizes(
-    vocab_size=4096, hidden=256, layers=6, intermediate=768, heads=4, kv_heads=2, head_dim=64, context=512,
-    target_steps=1200, target_batch=8, target_lr=2e-3,
-    gen_prompt_lens=(8, 16, 24, 32, 48, 64, 80, 96), gen_prompts_per_len=192, gen_total_len=288, gen_batch=96,
-    dflash_layers=2, dflash_intermediate=768, dflash_heads=4, dflash_kv_heads=2, target_layer_ids=(1, 3, 5),
-    block_size=9, dflash_steps=1500, dflash_batch=8, dflash_anchors=16, dflash_lr=1.5e-3,
-    draft_hidden=192, draft_layers=2, draft_intermediate=576, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
-    draft_pretrain_steps=500, draft_distill_steps=700, draft_batch=8, draft_distill_batch=16, draft_lr=2e-3,
+    vocab_size=4096, hidden=384, layers=6, intermediate=896, heads=6, kv_heads=3, head_dim=64, context=512,
+    target_steps=28_000, target_batch=8, target_lr=2e-3,
+    gen_prompt_lens=(8, 16, 32, 48, 64, 96, 128, 160), gen_prompts_per_len=1280, gen_total_len=288, gen_batch=192,
+    dflash_layers=2, dflash_intermediate=448, dflash_heads=6, dflash_kv_heads=3, target_layer_ids=(1, 3, 5),
+    block_size=9, dflash_steps=16_000, dflash_batch=8, dflash_anchors=16, dflash_lr=1.5e-3,
+    draft_hidden=192, draft_layers=2, draft_intermediate=448, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
+    draft_pretrain_steps=4000, draft_distill_steps=3000, draft_batch=8, draft_distill_batch=16, draft_lr=2e-3,
+    corpus="stdlib+packages", stdlib_share=PACKAGES_STDLIB_SHARE, heldout_evals=14,
 )
 SMOKE = Sizes(
     vocab_size=320, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16, context=128,
     target_steps=30, target_batch=4, target_lr=3e-3,
-    gen_prompt_lens=(8, 16), gen_prompts_per_len=4, gen_total_len=48, gen_batch=4,
+    gen_prompt_lens=(8, 16), gen_prompts_per_len=8, gen_total_len=48, gen_batch=4,
     dflash_layers=1, dflash_intermediate=128, dflash_heads=4, dflash_kv_heads=2, target_layer_ids=(0, 1),
     block_size=9, dflash_steps=20, dflash_batch=4, dflash_anchors=4, dflash_lr=3e-3,
     draft_hidden=32, draft_layers=1, draft_intermediate=64, draft_heads=2, draft_kv_heads=1, draft_head_dim=16,
@@ -108,6 +147,11 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def site_packages_dir() -> Path:
+    """The running interpreter's (the venv's) site-packages."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
 def _is_excluded(relative: Path) -> bool:
     return any(part in EXCLUDED_DIRS for part in relative.parts[:-1])
 
@@ -125,6 +169,31 @@ def corpus_files() -> tuple[list[Path], list[Path]]:
     return train, held
 
 
+def names_a_held_out_module(relative: Path) -> bool:
+    """Whether any module or package on the file's import path is named like a held-out module
+    (`x/heapq.py`, `x/statistics/__init__.py`, `x/calendar/util.py`)."""
+    return any(part in HELD_OUT for part in (*relative.parts[:-1], relative.stem))
+
+
+def package_files(seen: set[str]) -> list[Path]:
+    """The venv's site-packages `.py` files by the stdlib's rules (no tests, ≤ MAX_FILE_BYTES), none
+    named like a held-out module, none whose bytes equal a file in `seen` (sha256 digests: the stdlib's
+    files, held-out ones included) or an earlier package file; `seen` grows with the files taken."""
+    root = site_packages_dir()
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if _is_excluded(relative) or names_a_held_out_module(relative) or not path.is_file():
+            continue
+        if path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest not in seen:
+            seen.add(digest)
+            files.append(path)
+    return files
+
+
 def held_out_files() -> list[Path]:
     """The held-out modules in HELD_OUT order (scripts/eval_demo.py reads these)."""
     by_name = {p.stem: p for p in corpus_files()[1]}
@@ -133,6 +202,64 @@ def held_out_files() -> list[Path]:
 
 def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
+
+
+@dataclass
+class Source:
+    """One part of the training text: the stdlib, or the venv's packages."""
+
+    name: str
+    root: Path
+    files: list[Path]
+    texts: list[str] = field(repr=False)
+
+    @property
+    def megabytes(self) -> float:
+        return sum(len(t.encode("utf-8")) for t in self.texts) / 1e6
+
+    def digest(self) -> str:
+        """sha256 of the file names (relative to the root) and texts, in order."""
+        h = hashlib.sha256()
+        for path, text in zip(self.files, self.texts):
+            h.update(str(path.relative_to(self.root)).encode() + b"\0" + text.encode("utf-8") + b"\0")
+        return h.hexdigest()
+
+    def distributions(self) -> dict[str, dict]:
+        """{distribution: {version, files, megabytes}} of the packages the files come from."""
+        from importlib import metadata
+
+        owners = metadata.packages_distributions()
+        counts: dict[str, dict] = {}
+        for path, text in zip(self.files, self.texts):
+            top = path.relative_to(self.root).parts[0].removesuffix(".py")
+            for dist in sorted(set(owners.get(top, [f"({top})"]))):
+                entry = counts.setdefault(dist, {"files": 0, "megabytes": 0.0})
+                entry["files"] += 1
+                entry["megabytes"] += len(text.encode("utf-8")) / 1e6
+        for dist, entry in counts.items():
+            entry["megabytes"] = round(entry["megabytes"], 3)
+            try:
+                entry["version"] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                entry["version"] = None
+        return dict(sorted(counts.items()))
+
+
+def load_corpus(corpus: str, max_files: int | None = None) -> tuple[list[Source], list[Path]]:
+    """([stdlib, packages if asked], held-out files), deduplicated by content across both."""
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus must be one of {CORPORA}")
+    train, held = corpus_files()
+    if max_files is not None:
+        train = train[:max_files]
+    sources = [Source("stdlib", stdlib_dir(), train, [read_text(p) for p in train])]
+    if corpus == "stdlib+packages":
+        seen = {hashlib.sha256(p.read_bytes()).hexdigest() for p in (*corpus_files()[0], *held)}
+        files = package_files(seen)
+        if max_files is not None:
+            files = files[:max_files]
+        sources.append(Source("site-packages", site_packages_dir(), files, [read_text(p) for p in files]))
+    return sources, held
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,8 +281,22 @@ def random_windows(stream: torch.Tensor, batch: int, length: int, generator: tor
     return torch.stack([stream[s:s + length] for s in starts.tolist()])  # [B, length]
 
 
+def mixed_windows(streams: list[torch.Tensor], shares: list[float], batch: int, length: int,
+                  generator: torch.Generator) -> torch.Tensor:
+    """[B, length] windows, each from stream i with probability shares[i]."""
+    if len(streams) == 1:
+        return random_windows(streams[0], batch, length, generator)
+    bounds = torch.tensor(shares, dtype=torch.float64).cumsum(0)[:-1]
+    picks = torch.searchsorted(bounds, torch.rand(batch, dtype=torch.float64, generator=generator), right=True)
+    rows = []
+    for i in picks.tolist():
+        start = int(torch.randint(0, streams[i].numel() - length, (1,), generator=generator))
+        rows.append(streams[i][start:start + length])
+    return torch.stack(rows)
+
+
 # ---------------------------------------------------------------------------------------
-# Training helpers
+# Training steps
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -165,12 +306,20 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+def warmup_steps(total: int) -> int:
+    """Linear warmup: 50 steps, 2% of a long run, 10% of a short one."""
+    return max(1, min(total // 10, max(50, total // 50)))
+
+
+def make_optimizer(params, lr: float, impl: str = ADAMW_IMPL) -> torch.optim.Optimizer:
+    if impl not in ADAMW_IMPLS:
+        raise ValueError(f"AdamW implementation must be one of {ADAMW_IMPLS}")
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=impl == "foreach",
+                             fused=True if impl == "fused" else None)
 
 
 def optimizer_step(opt: torch.optim.Optimizer, params, loss: torch.Tensor, lr: float) -> None:
@@ -182,8 +331,65 @@ def optimizer_step(opt: torch.optim.Optimizer, params, loss: torch.Tensor, lr: f
     opt.zero_grad(set_to_none=True)
 
 
-def autocast():
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+@dataclass(frozen=True)
+class StepOptions:
+    """How a training step computes: autocast precision and torch.compile (bench/train_steps.py)."""
+
+    precision: str = "bf16"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}")
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
+    def wrap(self, model: torch.nn.Module) -> Callable:
+        """The callable that runs `model`: compiled or not, it shares `model`'s parameters (one static
+        graph per input shape: a loop has one or two)."""
+        return torch.compile(model, dynamic=False) if self.compile else model
+
+
+def keep_temp_files_in(folder: Path) -> None:
+    """Point this process's temporary files at `folder`: torch.compile's kernel cache and its ~150 MB of
+    precompiled headers (which ignore TORCHINDUCTOR_CACHE_DIR) then stay with the run instead of /tmp."""
+    import tempfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tempfile.tempdir = str(folder)
+
+
+def lm_forward(model, options: StepOptions) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(ids [B, T], labels [B, T] with -100 where ignored) → the mean next-token loss."""
+    forward = options.wrap(model)
+
+    def loss_of(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with options.autocast():
+            return forward(input_ids=ids, labels=labels).loss
+
+    return loss_of
+
+
+@torch.no_grad()
+def perplexity(model, documents: list[list[int]], window: int) -> tuple[float, int]:
+    """(perplexity, tokens scored) of a causal LM over `documents` (token ids, each ending in EOS), cut
+    into non-overlapping windows of `window` tokens; the figure of scripts/eval_demo.py."""
+    total_nll, total_tokens = 0.0, 0
+    for ids in documents:
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor(ids[start:start + window + 1])[None]
+            if chunk.shape[1] < 2:
+                continue
+            logits = model(input_ids=chunk[:, :-1]).logits.float()
+            total_nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+            total_tokens += chunk.shape[1] - 1
+    return math.exp(total_nll / total_tokens), total_tokens
+
+
+def heldout_documents(tokenizer) -> list[list[int]]:
+    """The held-out modules as token ids, each followed by EOS."""
+    return [tokenizer(read_text(path)).input_ids + [tokenizer.eos_token_id] for path in held_out_files()]
 
 
 def qwen3_config(sizes_vocab: int, tokenizer, *, hidden, layers, intermediate, heads, kv_heads, head_dim,
@@ -215,24 +421,3 @@ def save_lm(model, tokenizer, out_dir: Path) -> None:
     model.generation_config.bos_token_id = None
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-
-
-def train_lm(model, batches, steps: int, lr: float, name: str, history: dict) -> None:
-    """Next-token training; `batches(step)` → (input ids [B, T], labels [B, T] with -100 where ignored)."""
-    model.train()
-    params = list(model.parameters())
-    opt = make_optimizer(params, lr)
-    warmup = max(1, min(50, steps // 10))
-    start, losses = time.monotonic(), []
-    for step in range(steps):
-        ids, labels = batches(step)
-        with autocast():
-            loss = model(input_ids=ids, labels=labels).loss
-        optimizer_step(opt, params, loss, lr_at(step, steps, lr, warmup))
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            rate = (step + 1) / (time.monotonic() - start)
-            log(f"{name} step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
-                f"({rate:.2f} steps/s)")
-    model.eval()
-    history[f"{name}_final_loss"] = sum(losses[-50:]) / len(losses[-50:])

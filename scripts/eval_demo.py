@@ -21,7 +21,6 @@ over the file; a prompt is the source before and including the `def` line (at mo
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,19 +45,8 @@ def perplexity(target_dir: Path, files: list[Path], threads: int) -> tuple[float
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    window = model.config.max_position_embeddings
-    total_nll, total_tokens = 0.0, 0
-    for path in files:
-        ids = tokenizer(demo_training.read_text(path)).input_ids + [tokenizer.eos_token_id]
-        for start in range(0, len(ids) - 1, window):
-            chunk = torch.tensor(ids[start:start + window + 1])[None]
-            if chunk.shape[1] < 2:
-                continue
-            logits = model(input_ids=chunk[:, :-1]).logits.float()
-            nll = torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum")
-            total_nll += nll.item()
-            total_tokens += chunk.shape[1] - 1
-    return math.exp(total_nll / total_tokens), total_tokens
+    documents = [tokenizer(demo_training.read_text(path)).input_ids + [tokenizer.eos_token_id] for path in files]
+    return demo_training.perplexity(model, documents, model.config.max_position_embeddings)
 
 
 def held_out_prompts(tokenizer, files: list[Path], per_module: int, prompt_tokens: int) -> list[str]:

@@ -1,29 +1,47 @@
 """Train the bundled demo models: a tokenizer, a Qwen3 target and two drafters for it.
 
-    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~40 min on 2 CPU cores)
-    .venv/bin/python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, < 1 min (CI)
+    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~7.5 h on 2 idle CPU cores)
+    .venv/bin/python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, seconds (CI)
+
+The full run is meant to take several sessions: stop it whenever (Ctrl-C, kill -9, a lost
+machine) and rerun the same command to continue. Its log and `target.pt` in the work
+folder show the target's held-out perplexity as it trains (`heldout_evals` times).
+
+Resumable: the run keeps its state in a work folder (`<out>.partial`, or `--work DIR`) and
+writes a checkpoint there every `--checkpoint-minutes` (default 5) and at the end of every
+stage (scripts/demo_resume.py). Stop it at any moment (Ctrl-C, kill -9, a lost machine) and
+rerun the same command: finished stages are loaded, the interrupted one continues from its
+last checkpoint, and the result is the one an uninterrupted run gives. A work folder made
+with other sizes, seed or corpus is refused (`--restart` deletes it). It is deleted once
+the models are written to `--out` (`--keep-work` keeps it).
 
 Everything is trained from the Python standard library source of the running
 interpreter (test packages, codec tables and data blobs left out), with a FIXED list of
-held-out modules (`HELD_OUT`) kept out of training for scripts/eval_demo.py. Seeds are
-fixed and step counts are fixed (not time-based), so a rerun with the same interpreter
-and torch reproduces the same models up to floating-point nondeterminism.
+held-out modules (`HELD_OUT`) kept out of training for scripts/eval_demo.py. The full
+run's LMs also read the `.py` files of the venv's installed packages by the same rules
+(deduplicated, none named like a held-out module; 174 MB, 58.6M tokens with this venv),
+with 20% of their training windows still cut from the stdlib (`--corpus stdlib` for the
+stdlib alone). Seeds and step counts are fixed (not time-based), so a rerun with the same
+interpreter, packages, torch and threads reproduces the same models.
 
-Output, in the real Hugging Face formats (safetensors stored in bfloat16, scripts/demo_bf16.py; ≤ 40 MB):
-- `tokenizer/`   byte-level BPE (`tokenizers`), EOS `<|endoftext|>`, mask `<|mask|>`
-                 (reserved for DFlash), chat tokens; `AutoTokenizer` loads it.
+Output, in the real Hugging Face formats (safetensors stored in bfloat16, scripts/demo_bf16.py; ≤ 30 MB):
+- `tokenizer/`   byte-level BPE (`tokenizers`) learnt from the stdlib, EOS `<|endoftext|>`,
+                 mask `<|mask|>` (reserved for DFlash), chat tokens; `AutoTokenizer` loads it.
 - `target/`      `Qwen3ForCausalLM` + tokenizer files (`AutoModelForCausalLM` loads it).
 - `dflash/`      a DFlash block drafter in z-lab's format, trained with the `dflash`
                  package's own `DFlashDraftModel` class: the block `[anchor, mask × 8]`
                  attends to the target's hidden states after `target_layer_ids` and
-                 learns the target's own greedy continuation (loss on the 8 predictions).
+                 learns the target's own greedy continuation (loss on the 8 predictions,
+                 weighted toward the early ones).
 - `draft_model/` a 2-layer Qwen3 LM on the same tokenizer: pretrained on the corpus,
                  then distilled on the target's greedy continuations.
-- `training.json` sizes, steps, losses and stage times of the run.
+- `training.json` sizes, corpus sources, steps, loss curves, stage times and resumes of the run.
 
-Stages: tokenizer → target (bf16 autocast, fp32 weights) → greedy continuations of the
-target (fp32, exactly as served) from prompts cut out of the training files, with the
-target's hidden states cached → DFlash → draft_model.
+Stages: tokenizer → target (bf16 autocast, fp32 weights, torch.compile'd unless
+`--no-compile`) → greedy continuations of the target as served (its weights rounded to
+bf16, computed in fp32) from 10,240 prompts cut out of the training text, with the
+target's hidden states taken from the decoding forwards → DFlash → draft_model. Step
+throughput of each stage: bench/train_steps.py.
 """
 
 from __future__ import annotations
@@ -39,238 +57,262 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from demo_bf16 import store_bf16  # the sibling modules: scripts/ is on the path when this runs
+from demo_drafters import Continuations, dflash_config, dflash_step_fn, greedy_continue_with_features, valid_lengths
+from demo_resume import (
+    CheckpointPolicy,
+    Loop,
+    LoopResult,
+    PausePoint,
+    ResumeRefused,
+    WorkDir,
+    atomic_save,
+    atomic_write_json,
+    load_checkpoint,
+    publish_dir,
+    run_loop,
+)
 from demo_training import (
+    CORPORA,
     DEFAULT_OUT,
     FULL,
     HELD_OUT,
+    PACKAGES_STDLIB_SHARE,
     SEED,
     SMOKE,
     Sizes,
-    autocast,
-    corpus_files,
+    Source,
+    StepOptions,
+    heldout_documents,
+    keep_temp_files_in,
+    load_corpus,
     log,
+    lm_forward,
     lr_at,
     make_optimizer,
+    mixed_windows,
     optimizer_step,
+    perplexity,
     qwen3_config,
-    random_windows,
-    read_text,
     save_lm,
     stdlib_dir,
     token_stream,
-    train_lm,
+    warmup_steps,
 )
 
 from splitspec.tokenizer import train_bpe_tokenizer
+
+
+@dataclass
+class Context:
+    """What every stage of one run shares."""
+
+    sizes: Sizes
+    work: WorkDir
+    policy: CheckpointPolicy
+    options: StepOptions
+    pause: PausePoint | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer and token streams
+
+
+@dataclass
+class Streams:
+    """The training text as token ids, one stream per source (each file followed by EOS)."""
+
+    names: list[str]
+    streams: list[torch.Tensor]  # [n_i] int64
+    shares: list[float]  # probability that a training window comes from each
+    seconds: float
+
+    def windows(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        return mixed_windows(self.streams, self.shares, batch, length, generator)  # [B, length]
+
+
+def source_shares(sizes: Sizes, names: list[str]) -> list[float]:
+    return [1.0] if len(names) == 1 else [sizes.stdlib_share, 1.0 - sizes.stdlib_share]
+
+
+def tokenizer_stage(ctx: Context, sources: list[Source]):
+    """The BPE tokenizer (learnt from the stdlib alone, so per-token perplexities stay comparable
+    whatever else the LMs read) and every source as a token stream; loaded when done before."""
+    from transformers import AutoTokenizer
+
+    folder, streams_file = ctx.work.file("tokenizer"), ctx.work.file("streams.pt")
+    started = time.monotonic()
+    if not folder.is_dir():
+        stdlib = next(s for s in sources if s.name == "stdlib")
+        publish_dir(lambda tmp: train_bpe_tokenizer(stdlib.texts, ctx.sizes.vocab_size, tmp), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # read back in every session alike
+    saved = load_checkpoint(streams_file)
+    if saved is None:
+        streams = [token_stream(tokenizer, s.texts).to(torch.int32) for s in sources]
+        saved = {"names": [s.name for s in sources], "streams": streams, "seconds": time.monotonic() - started}
+        atomic_save(saved, streams_file)
+    else:
+        log(f"tokenizer: done in an earlier session, loaded from {ctx.work.root}")
+    names = saved["names"]
+    streams = Streams(names, [s.long() for s in saved["streams"]], source_shares(ctx.sizes, names), saved["seconds"])
+    return tokenizer, streams
+
+
+# ---------------------------------------------------------------------------------------
+# The target
+
+
+def target_config(sizes: Sizes, tokenizer):
+    return qwen3_config(sizes.vocab_size, tokenizer, hidden=sizes.hidden, layers=sizes.layers,
+                        intermediate=sizes.intermediate, heads=sizes.heads, kv_heads=sizes.kv_heads,
+                        head_dim=sizes.head_dim, max_positions=sizes.context)
+
+
+def lm_loop(ctx: Context, name: str, model, batches, steps: int, lr: float,
+            generators: dict[str, torch.Generator], evaluate=None, evaluations: int = 0) -> LoopResult:
+    """Next-token training of `model`; `batches(step)` → (ids [B, T], labels [B, T], -100 where ignored)."""
+    params = list(model.parameters())
+    opt = make_optimizer(params, lr)
+    forward = lm_forward(model, ctx.options)
+    warmup = warmup_steps(steps)
+
+    def step(i: int) -> dict[str, float]:
+        ids, labels = batches(i)
+        loss = forward(ids, labels)
+        optimizer_step(opt, params, loss, lr_at(i, steps, lr, warmup))
+        return {"loss": loss.item()}
+
+    return run_loop(Loop(name, steps, model, opt, step, generators, evaluate, evaluations), ctx.work, ctx.policy,
+                    ctx.pause)
+
+
+def target_stage(ctx: Context, streams: Streams, tokenizer):
+    from transformers import Qwen3ForCausalLM
+
+    sizes = ctx.sizes
+    torch.manual_seed(SEED)
+    model = Qwen3ForCausalLM(target_config(sizes, tokenizer))
+    generator = torch.Generator().manual_seed(SEED + 1)
+
+    def batches(step):
+        ids = streams.windows(sizes.target_batch, sizes.context, generator)
+        return ids, ids
+
+    documents = heldout_documents(tokenizer)
+
+    def evaluate() -> dict[str, float]:  # the figure scripts/eval_demo.py gives, to watch a long run
+        return {"heldout_perplexity": perplexity(served_copy(model), documents, sizes.context)[0]}
+
+    result = lm_loop(ctx, "target", model, batches, sizes.target_steps, sizes.target_lr, {"windows": generator},
+                     evaluate, sizes.heldout_evals)
+    return model, result
+
+
+def served_copy(model):
+    """The target as the services run it on a CPU: weights stored in bf16, computed in fp32."""
+    import copy
+
+    served = copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in served.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return served
+
 
 # ---------------------------------------------------------------------------------------
 # Greedy continuations of the target, with its hidden states
 
 
-@dataclass
-class Continuations:
-    ids: torch.Tensor  # [N, T] prompt + greedy continuation
-    prompt_lens: torch.Tensor  # [N]
-    valid_lens: torch.Tensor  # [N]: tokens up to and including the first EOS of the continuation
-    features: torch.Tensor  # [N, T, len(target_layer_ids) * hidden], float16
-
-
-@torch.no_grad()
-def greedy_continue(target, prompts: torch.Tensor, total_len: int) -> torch.Tensor:
-    """[B, P] → [B, total_len]: the target's greedy continuation, decoded with a KV cache."""
-    out = target(input_ids=prompts, use_cache=True)
-    cache, tokens = out.past_key_values, [out.logits[:, -1].argmax(-1)]
-    for _ in range(total_len - prompts.shape[1] - 1):
-        out = target(input_ids=tokens[-1][:, None], past_key_values=cache, use_cache=True)
-        tokens.append(out.logits[:, -1].argmax(-1))
-    return torch.cat([prompts, torch.stack(tokens, dim=1)], dim=1)
-
-
-@torch.no_grad()
-def target_features(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
-    from dflash.model import extract_context_feature
-
-    out = target(input_ids=ids, output_hidden_states=True)
-    return extract_context_feature(out.hidden_states, list(layer_ids))  # [B, T, n * hidden]
-
-
-def make_continuations(target, stream: torch.Tensor, sizes: Sizes, eos_id: int) -> Continuations:
+def continuation_plan(streams: Streams, sizes: Sizes) -> list[torch.Tensor]:
+    """The prompts, batch by batch ([b, prompt_len] each), the same in every session."""
     generator = torch.Generator().manual_seed(SEED + 2)
-    all_ids, prompt_lens = [], []
+    batches = []
     for prompt_len in sizes.gen_prompt_lens:
         remaining = sizes.gen_prompts_per_len
         while remaining:
             batch = min(sizes.gen_batch, remaining)
-            prompts = random_windows(stream, batch, prompt_len, generator)
-            all_ids.append(greedy_continue(target, prompts, sizes.gen_total_len))
-            prompt_lens += [prompt_len] * batch
+            batches.append(streams.windows(batch, prompt_len, generator))
             remaining -= batch
-        log(f"greedy continuations: prompt length {prompt_len} done")
-    ids = torch.cat(all_ids)
-    prompt_lens_t = torch.tensor(prompt_lens)
-    valid = []
-    for row, p in zip(ids, prompt_lens):
-        eos = (row[p:] == eos_id).nonzero()
-        valid.append(p + int(eos[0]) + 1 if len(eos) else row.numel())
-    features = torch.cat([
-        target_features(target, ids[i:i + sizes.gen_batch], sizes.target_layer_ids).to(torch.float16)
-        for i in range(0, ids.shape[0], sizes.gen_batch)
-    ])
-    if not torch.isfinite(features).all():
-        raise RuntimeError("target hidden states overflow float16")
-    return Continuations(ids, prompt_lens_t, torch.tensor(valid), features)
+    return batches
+
+
+def continuations_stage(ctx: Context, target, streams: Streams, eos_id: int) -> tuple[Continuations, dict]:
+    """Each batch of prompts → one part file; a rerun generates only the missing parts."""
+    sizes = ctx.sizes
+    folder = ctx.work.file("continuations")
+    folder.mkdir(exist_ok=True)
+    done_file = folder / "done.json"
+    if not done_file.is_file():
+        plan = continuation_plan(streams, sizes)
+        first_of_session = True
+        for i, prompts in enumerate(plan):
+            part = folder / f"part-{i:05d}.pt"
+            if part.is_file():
+                continue
+            started = time.monotonic()
+            ids, features = greedy_continue_with_features(target, prompts, sizes.gen_total_len,
+                                                          sizes.target_layer_ids)
+            if not torch.isfinite(features).all():
+                raise RuntimeError("target hidden states overflow float16")
+            prompt_len = prompts.shape[1]
+            atomic_save({"ids": ids, "prompt_lens": torch.full((ids.shape[0],), prompt_len),
+                         "valid_lens": valid_lengths(ids, prompt_len, eos_id), "features": features,
+                         "seconds": time.monotonic() - started, "resumed": first_of_session and i > 0}, part)
+            first_of_session = False
+            log(f"greedy continuations: batch {i + 1}/{len(plan)} (prompt length {prompt_len}) done")
+            if ctx.pause is not None:
+                ctx.pause.check("continuations", i + 1)
+        atomic_write_json({"parts": len(plan)}, done_file)
+    else:
+        log("continuations: done in an earlier session, loaded")
+    parts = [load_checkpoint(folder / f"part-{i:05d}.pt", mmap=True)
+             for i in range(json.loads(done_file.read_text())["parts"])]
+    data = Continuations(torch.cat([p["ids"] for p in parts]), torch.cat([p["prompt_lens"] for p in parts]),
+                         torch.cat([p["valid_lens"] for p in parts]), [p["features"] for p in parts])
+    summary = {"seconds": sum(p["seconds"] for p in parts),
+               "resumed_from": [i for i, p in enumerate(parts) if p["resumed"]]}
+    return data, summary
 
 
 # ---------------------------------------------------------------------------------------
 # DFlash
 
 
-def dflash_config(sizes: Sizes, tokenizer):
-    from transformers import Qwen3Config
-
-    mask_id = tokenizer.mask_token_id
-    return Qwen3Config(
-        vocab_size=sizes.vocab_size,
-        hidden_size=sizes.hidden,
-        intermediate_size=sizes.dflash_intermediate,
-        num_hidden_layers=sizes.dflash_layers,
-        num_attention_heads=sizes.dflash_heads,
-        num_key_value_heads=sizes.dflash_kv_heads,
-        head_dim=sizes.head_dim,
-        max_position_embeddings=sizes.context,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        num_target_layers=sizes.layers,
-        block_size=sizes.block_size,
-        dflash_config={"mask_token_id": mask_id, "target_layer_ids": list(sizes.target_layer_ids),
-                       "block_size": sizes.block_size},
-        attn_implementation="sdpa",
-    )
-
-
-def dflash_batch(data: Continuations, rows: torch.Tensor, sizes: Sizes, mask_id: int, generator):
-    """One training batch of `dflash_anchors` blocks per sequence.
-
-    Block j of a row sits at positions a_j .. a_j + K (anchor a_j ≥ the prompt length, so
-    all K labels are the target's greedy tokens); its queries see the context features of
-    positions < a_j and the whole block (non-causal), exactly as in `dflash_generate`.
-    """
-    k = sizes.block_size - 1
-    n = sizes.dflash_anchors
-    ids = data.ids[rows]  # [B, T]
-    T = ids.shape[1]
-    batch = rows.numel()
-    anchors = torch.empty(batch, n, dtype=torch.long)
-    for b, row in enumerate(rows.tolist()):
-        low, high = int(data.prompt_lens[row]), int(data.valid_lens[row]) - 1  # anchors in [low, high)
-        span = torch.arange(low, max(high, low + 1))
-        pick = torch.randint(0, span.numel(), (n,), generator=generator) if span.numel() < n else \
-            torch.randperm(span.numel(), generator=generator)[:n]
-        anchors[b] = span[pick]
-    offsets = torch.arange(sizes.block_size)  # [K + 1]
-    positions = anchors[:, :, None] + offsets  # [B, n, K + 1]
-    block_ids = torch.full((batch, n, sizes.block_size), mask_id, dtype=torch.long)
-    block_ids[:, :, 0] = ids.gather(1, anchors)
-    label_pos = positions[:, :, 1:]  # [B, n, K]
-    labels = ids.gather(1, label_pos.clamp(max=T - 1).view(batch, -1)).view(batch, n, k)
-    valid_lens = data.valid_lens[rows][:, None, None]
-    labels = labels.masked_fill(label_pos >= valid_lens, -100)
-    q = n * sizes.block_size
-    ctx_visible = torch.arange(T)[None, None, :] < anchors.repeat_interleave(sizes.block_size, 1)[:, :, None]
-    block_of_query = torch.arange(q) // sizes.block_size
-    own_block = block_of_query[:, None] == block_of_query[None, :]  # [q, q]
-    mask = torch.cat([ctx_visible, own_block[None].expand(batch, q, q)], dim=2)[:, None]  # [B, 1, q, T + q]
-    position_ids = torch.cat([torch.arange(T)[None].expand(batch, T), positions.view(batch, q)], dim=1)
-    return block_ids.view(batch, q), labels, mask, position_ids
-
-
-def train_dflash(target, data: Continuations, sizes: Sizes, tokenizer, out_dir: Path, history: dict):
+def dflash_stage(ctx: Context, target, data: Continuations, tokenizer):
     from dflash.model import DFlashDraftModel
 
+    sizes = ctx.sizes
     torch.manual_seed(SEED + 3)
-    config = dflash_config(sizes, tokenizer)
-    model = DFlashDraftModel(config).train()
-    embed = target.get_input_embeddings().weight.detach()
-    lm_head = target.lm_head
-    k = sizes.block_size - 1
-    decay = torch.exp(-torch.arange(k, dtype=torch.float32) / 4.0)  # early positions matter most
+    model = DFlashDraftModel(dflash_config(sizes, tokenizer))
     params = list(model.parameters())
     opt = make_optimizer(params, sizes.dflash_lr)
     generator = torch.Generator().manual_seed(SEED + 4)
-    steps, start, losses, accs = sizes.dflash_steps, time.monotonic(), [], []
-    warmup = max(1, min(50, steps // 10))
-    for step in range(steps):
-        rows = torch.randint(0, data.ids.shape[0], (sizes.dflash_batch,), generator=generator)
-        block_ids, labels, mask, position_ids = dflash_batch(data, rows, sizes, tokenizer.mask_token_id, generator)
-        with autocast():
-            hidden = model(
-                position_ids=position_ids,
-                attention_mask=mask,
-                noise_embedding=F.embedding(block_ids, embed),
-                target_hidden=data.features[rows].float(),
-            )  # [B, n * (K + 1), hidden]
-            hidden = hidden.view(sizes.dflash_batch, sizes.dflash_anchors, sizes.block_size, -1)[:, :, 1:]
-            logits = model.compute_logits(hidden, lm_head).float()  # [B, n, K, V]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                             reduction="none").view_as(labels)
-        valid = (labels != -100).float()
-        loss = (ce * valid * decay).sum() / (valid * decay).sum().clamp_min(1.0)
-        optimizer_step(opt, params, loss, lr_at(step, steps, sizes.dflash_lr, warmup))
-        losses.append(loss.item())
-        with torch.no_grad():  # expected accepted length of greedy blocks (prefix of matches)
-            hit = ((logits.argmax(-1) == labels) | (labels == -100)).long().cumprod(-1) * valid.long()
-            accs.append(hit.sum(-1).float().mean().item())
-        if step % 50 == 0 or step == steps - 1:
-            rate = (step + 1) / (time.monotonic() - start)
-            log(f"dflash step {step + 1}/{steps} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} "
-                f"accepted/block {sum(accs[-50:]) / len(accs[-50:]):.2f} ({rate:.2f} steps/s)")
-    model.eval()
-    history["dflash_final_loss"] = sum(losses[-50:]) / len(losses[-50:])
-    history["dflash_train_accepted_per_block"] = sum(accs[-50:]) / len(accs[-50:])
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return model
+    step = dflash_step_fn(model, target, data, sizes, tokenizer.mask_token_id, opt, params, generator, ctx.options)
+    result = run_loop(Loop("dflash", sizes.dflash_steps, model, opt, step, {"batches": generator}), ctx.work,
+                      ctx.policy, ctx.pause)
+    return model, result
 
 
 # ---------------------------------------------------------------------------------------
-# The stages
+# The draft model
 
 
-def train_target(stream: torch.Tensor, tokenizer, sizes: Sizes, out_dir: Path, history: dict):
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(SEED)
-    config = qwen3_config(sizes.vocab_size, tokenizer, hidden=sizes.hidden, layers=sizes.layers,
-                          intermediate=sizes.intermediate, heads=sizes.heads, kv_heads=sizes.kv_heads,
-                          head_dim=sizes.head_dim, max_positions=sizes.context)
-    model = Qwen3ForCausalLM(config)
-    generator = torch.Generator().manual_seed(SEED + 1)
-
-    def batches(step):
-        ids = random_windows(stream, sizes.target_batch, sizes.context, generator)
-        return ids, ids
-
-    train_lm(model, batches, sizes.target_steps, sizes.target_lr, "target", history)
-    save_lm(model, tokenizer, out_dir)
-    return model
-
-
-def train_draft_model(stream: torch.Tensor, data: Continuations, tokenizer, sizes: Sizes, out_dir: Path,
-                      history: dict):
+def draft_model_stage(ctx: Context, streams: Streams, data: Continuations, tokenizer):
     """Pretrain on the corpus, then distill on the target's greedy continuations (labels: the
     target's greedy tokens through the first EOS, and the last prompt token)."""
     from transformers import Qwen3ForCausalLM
 
+    sizes = ctx.sizes
     torch.manual_seed(SEED + 5)
     config = qwen3_config(sizes.vocab_size, tokenizer, hidden=sizes.draft_hidden, layers=sizes.draft_layers,
                           intermediate=sizes.draft_intermediate, heads=sizes.draft_heads,
                           kv_heads=sizes.draft_kv_heads, head_dim=sizes.draft_head_dim, max_positions=sizes.context)
     model = Qwen3ForCausalLM(config)
-    generator = torch.Generator().manual_seed(SEED + 6)
+    corpus_generator = torch.Generator().manual_seed(SEED + 6)
+    distill_generator = torch.Generator().manual_seed(SEED + 7)
 
     def corpus_batches(step):
-        ids = random_windows(stream, sizes.draft_batch, sizes.context, generator)
+        ids = streams.windows(sizes.draft_batch, sizes.context, corpus_generator)
         return ids, ids
 
     positions = torch.arange(data.ids.shape[1])[None]
@@ -278,82 +320,142 @@ def train_draft_model(stream: torch.Tensor, data: Continuations, tokenizer, size
     distill_labels = data.ids.masked_fill(ignore, -100)
 
     def distill_batches(step):
-        rows = torch.randint(0, data.ids.shape[0], (sizes.draft_distill_batch,), generator=generator)
+        rows = torch.randint(0, data.ids.shape[0], (sizes.draft_distill_batch,), generator=distill_generator)
         return data.ids[rows], distill_labels[rows]
 
-    train_lm(model, corpus_batches, sizes.draft_pretrain_steps, sizes.draft_lr, "draft_pretrain", history)
-    train_lm(model, distill_batches, sizes.draft_distill_steps, sizes.draft_lr / 2, "draft_distill", history)
-    save_lm(model, tokenizer, out_dir)
-    return model
+    pretrain = lm_loop(ctx, "draft_pretrain", model, corpus_batches, sizes.draft_pretrain_steps, sizes.draft_lr,
+                       {"windows": corpus_generator})
+    distill = lm_loop(ctx, "draft_distill", model, distill_batches, sizes.draft_distill_steps, sizes.draft_lr / 2,
+                      {"rows": distill_generator})
+    return model, pretrain, distill
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+
+
+def run_identity(sizes: Sizes, sources: list[Source]) -> dict:
+    """What a work folder's run is: a rerun must match it to continue it."""
+    recipe = {k: v for k, v in asdict(sizes).items() if k != "threads"}
+    return {"sizes": recipe, "seed": SEED, "corpus": {s.name: s.digest() for s in sources}}
+
+
+def corpus_record(sources: list[Source], streams: Streams) -> list[dict]:
+    record = []
+    for source, stream in zip(sources, streams.streams):
+        entry = {"name": source.name, "files": len(source.files), "megabytes": round(source.megabytes, 2),
+                 "tokens": stream.numel(), "window_share": streams.shares[streams.names.index(source.name)]}
+        if source.name == "site-packages":
+            entry["distributions"] = source.distributions()
+        record.append(entry)
+    return record
 
 
 def dir_megabytes(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
-def run(sizes: Sizes, out: Path) -> dict:
+def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: CheckpointPolicy = CheckpointPolicy(),
+        pause: PausePoint | None = None, restart: bool = False, keep_work: bool = False,
+        compile_steps: bool = False) -> dict:
     torch.set_num_threads(sizes.threads)
-    torch.manual_seed(SEED)
-    started = time.monotonic()
-    history: dict = {"sizes": asdict(sizes), "held_out": list(HELD_OUT), "python": sys.version.split()[0],
-                     "torch": torch.__version__, "seed": SEED, "stage_seconds": {}}
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    sources, held = load_corpus(sizes.corpus, sizes.max_files)
+    for source in sources:
+        log(f"corpus: {source.name}: {len(source.files)} files, {source.megabytes:.2f} MB")
+    work = WorkDir(work_dir or out.with_name(out.name + ".partial"), run_identity(sizes, sources), restart)
+    if compile_steps:  # compiled kernels live (across sessions) and go with the work folder
+        keep_temp_files_in(work.file("tmp"))
+    ctx = Context(sizes, work, policy, StepOptions(precision=sizes.precision, compile=compile_steps), pause)
 
-    def stage_done(name: str, since: float) -> float:
-        now = time.monotonic()
-        history["stage_seconds"][name] = round(now - since, 1)
-        log(f"stage {name} done in {now - since:.0f} s")
-        return now
+    tokenizer, streams = tokenizer_stage(ctx, sources)
+    log(f"token streams: {dict(zip(streams.names, (s.numel() for s in streams.streams)))}")
+    target, target_run = target_stage(ctx, streams, tokenizer)
+    served = served_copy(target)
+    data, continuations = continuations_stage(ctx, served, streams, tokenizer.eos_token_id)
+    dflash, dflash_run = dflash_stage(ctx, served, data, tokenizer)
+    draft, pretrain_run, distill_run = draft_model_stage(ctx, streams, data, tokenizer)
 
-    t = time.monotonic()
-    train_files, held = corpus_files()
-    if sizes.max_files is not None:
-        train_files = train_files[:sizes.max_files]
-    texts = [read_text(p) for p in train_files]
-    history["train_files"] = len(train_files)
-    history["train_megabytes"] = round(sum(len(s) for s in texts) / 1e6, 2)
-    history["held_out_files"] = [str(p.relative_to(stdlib_dir())) for p in held]
-    tokenizer = train_bpe_tokenizer(texts, sizes.vocab_size, tmp / "tokenizer")
-    stream = token_stream(tokenizer, texts)
-    history["train_tokens"] = stream.numel()
-    log(f"corpus: {len(texts)} files, {history['train_megabytes']} MB, {stream.numel()} tokens")
-    t = stage_done("tokenizer", t)
+    stage_seconds = {"tokenizer": streams.seconds, "target": target_run.seconds,
+                     "continuations": continuations["seconds"], "dflash": dflash_run.seconds,
+                     "draft_model": pretrain_run.seconds + distill_run.seconds}
+    loops = {"target": target_run, "dflash": dflash_run, "draft_pretrain": pretrain_run,
+             "draft_distill": distill_run}
+    history = {
+        "sizes": asdict(sizes), "held_out": list(HELD_OUT), "python": sys.version.split()[0],
+        "torch": torch.__version__, "seed": SEED, "compiled": compile_steps,
+        "stage_seconds": {name: round(s, 1) for name, s in stage_seconds.items()},
+        "resumed_from": {"continuations": continuations["resumed_from"]}
+                        | {name: r.resumed_from for name, r in loops.items()},
+        "corpus": corpus_record(sources, streams),
+        "train_files": sum(len(s.files) for s in sources),
+        "train_megabytes": round(sum(s.megabytes for s in sources), 2),
+        "train_tokens": sum(s.numel() for s in streams.streams),
+        "held_out_files": [str(p.relative_to(stdlib_dir())) for p in held],
+        "target_final_loss": target_run.tail_mean("loss"),
+        "target_heldout_perplexity": target_run.evaluations,  # the fp32-from-bf16 target, during training
+        "continuations": int(data.ids.shape[0]),
+        "continuation_tokens": int((data.valid_lens - data.prompt_lens).sum()),
+        "dflash_final_loss": dflash_run.tail_mean("loss"),
+        "dflash_train_accepted_per_block": dflash_run.tail_mean("accepted"),
+        "draft_pretrain_final_loss": pretrain_run.tail_mean("loss"),
+        "draft_distill_final_loss": distill_run.tail_mean("loss"),
+        "loss_curves": {name: r.curve("loss") for name, r in loops.items()},
+        "total_seconds": round(sum(stage_seconds.values()), 1),  # training time kept, over all sessions
+    }
 
-    target = train_target(stream, tokenizer, sizes, tmp / "target", history)
-    t = stage_done("target", t)
+    def write_outputs(folder: Path) -> None:
+        shutil.copytree(work.file("tokenizer"), folder / "tokenizer")
+        save_lm(target, tokenizer, folder / "target")
+        dflash.save_pretrained(folder / "dflash", safe_serialization=True)
+        save_lm(draft, tokenizer, folder / "draft_model")
+        store_bf16(folder)  # trained in float32; stored in half the bytes (every checkout carries them)
+        history["megabytes"] = round(dir_megabytes(folder), 2)
+        (folder / "training.json").write_text(json.dumps(history, indent=2) + "\n")
 
-    data = make_continuations(target, stream, sizes, tokenizer.eos_token_id)
-    history["continuations"] = int(data.ids.shape[0])
-    history["continuation_tokens"] = int((data.valid_lens - data.prompt_lens).sum())
-    t = stage_done("continuations", t)
-
-    train_dflash(target, data, sizes, tokenizer, tmp / "dflash", history)
-    t = stage_done("dflash", t)
-
-    train_draft_model(stream, data, tokenizer, sizes, tmp / "draft_model", history)
-    t = stage_done("draft_model", t)
-
-    store_bf16(tmp)  # trained in float32; stored in half the bytes (every checkout carries them)
-    history["total_seconds"] = round(time.monotonic() - started, 1)
-    history["megabytes"] = round(dir_megabytes(tmp), 2)
-    (tmp / "training.json").write_text(json.dumps(history, indent=2) + "\n")
+    staged = out.with_name(out.name + ".new")
+    shutil.rmtree(staged, ignore_errors=True)
+    publish_dir(write_outputs, staged)
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    log(f"wrote {out} ({history['megabytes']} MB) in {history['total_seconds']:.0f} s")
+    staged.rename(out)
+    if not keep_work:
+        shutil.rmtree(work.root)
+    log(f"wrote {out} ({history['megabytes']} MB; {history['total_seconds']:.0f} s of training)")
     return history
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps (CI, < 1 minute)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="work folder with the checkpoints of the run (default: OUT.partial)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps (CI, seconds)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    parser.add_argument("--corpus", choices=CORPORA, default=None,
+                        help="the LMs' training text (default: the sizes' own, %s for the full run)" % FULL.corpus)
+    parser.add_argument("--checkpoint-minutes", type=float, default=5.0,
+                        help="write a training loop's checkpoint this often (default: %(default)s)")
+    parser.add_argument("--checkpoint-steps", type=int, default=None,
+                        help="write it every this many steps instead (tests)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the training steps (default: on for the full run, off for --smoke)")
+    parser.add_argument("--restart", action="store_true", help="delete the work folder first: start over")
+    parser.add_argument("--keep-work", action="store_true", help="keep the work folder after writing --out")
+    parser.add_argument("--pause-after", type=PausePoint.parse, default=None, help=argparse.SUPPRESS)  # tests
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sizes = dataclasses.replace(SMOKE if args.smoke else FULL, threads=args.threads)
-    run(sizes, args.out)
+    base = SMOKE if args.smoke else FULL
+    changes: dict = {"threads": args.threads}
+    if args.corpus is not None and args.corpus != base.corpus:
+        changes |= {"corpus": args.corpus,
+                    "stdlib_share": 1.0 if args.corpus == "stdlib" else PACKAGES_STDLIB_SHARE}
+    sizes = dataclasses.replace(base, **changes)
+    policy = CheckpointPolicy(every_seconds=args.checkpoint_minutes * 60, every_steps=args.checkpoint_steps)
+    try:
+        run(sizes, args.out, args.work, policy, args.pause_after, args.restart, args.keep_work,
+            compile_steps=not args.smoke if args.compile is None else args.compile)
+    except ResumeRefused as refused:
+        print(f"train_demo.py: {refused}", file=sys.stderr)
+        return 2
     return 0
 
 
