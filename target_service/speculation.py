@@ -111,6 +111,9 @@ class Speculator:
     _released: list[int] = field(default_factory=list)
     _staged: StagedRows = field(default_factory=StagedRows)
     _probe_turn: int = 0
+    # Sequences whose pending update carries more context than one drafting step adds (a prefill
+    # chunk, or steps merged while none drafted): the drafter catches up on it in the next Propose
+    _backlog: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -129,6 +132,7 @@ class Speculator:
         self._pending.clear()
         self._released.clear()
         self._staged.clear()
+        self._backlog.clear()
 
     def follows(self, seq: Sequence) -> bool:
         return self.link.ready and seq.drafter_epoch == self.epoch
@@ -203,7 +207,11 @@ class Speculator:
                 self._attach_new_pages(updates[s.seq.seq_id], s.seq)
         request = dpb.ProposeRequest(target_id=self.shared.layout.target_id, epoch=self.epoch,
                                      sequences=list(updates.values()), released_seq_ids=self._released)
+        drafting = {u.seq_id for u in request.sequences if u.num_speculative_tokens}
+        catching_up = not self._backlog.isdisjoint(drafting)
+        backlog = self._backlog - drafting  # a drafter may put context off until the sequence drafts
         self.reset()
+        self._backlog = backlog
         sync_for_handoff(self.device)  # the drafter reads what this process's last step wrote
         started = time.monotonic()
         try:
@@ -214,7 +222,10 @@ class Speculator:
         elapsed = time.monotonic() - started
         metrics.propose_latency.observe(elapsed)
         asked = [u.num_speculative_tokens for u in request.sequences if u.num_speculative_tokens]
-        if asked:  # priced by draft positions, n·(k+1); a context-only call (a prefill's, mostly) is not a k's
+        if asked and not catching_up:
+            # Priced by draft positions, n·(k+1), in steady state: what drafting every step costs. A
+            # call that also catches the drafter up (a prompt, or steps that asked for no drafts) costs
+            # more once; priced into k it would make the first drafts, and every probe, look too dear.
             self.policy.record_propose(sum(asked) + len(asked), elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
@@ -282,6 +293,8 @@ class Speculator:
             if not self.follows(seq) or seq.is_finished:
                 continue
             count = seq.num_computed_tokens - start
+            if seq.seq_id in self._pending or count > len(drafts.get(seq.seq_id, ())) + 1:
+                self._backlog.add(seq.seq_id)
             if (update := self._pending.get(seq.seq_id)) is not None:  # deferred, not yet sent: extend it
                 update.context_token_ids.extend(seq.token_ids[start : start + count])
                 update.last_token_id = seq.token_ids[seq.num_computed_tokens]
@@ -302,3 +315,4 @@ class Speculator:
             self._released.append(seq.seq_id)
         self._pending.pop(seq.seq_id, None)
         self._staged.drop(seq.seq_id)
+        self._backlog.discard(seq.seq_id)

@@ -259,3 +259,27 @@ def test_a_probe_asks_one_sequence_of_the_batch(checkpoints, tmp_path):
     assert len(probes) >= 2 and all(len(answer) == 1 for answer in probes), reserved
     assert len({next(iter(answer)) for answer in probes}) > 1  # taking turns
     core.close()
+
+
+class RecordingPolicy(ScriptedPolicy):
+    def __init__(self, max_k: int, script: list[int]) -> None:
+        super().__init__(max_k, script)
+        self.proposes: list[int] = []
+
+    def record_propose(self, draft_positions: int, seconds: float) -> None:
+        self.proposes.append(draft_positions)
+
+
+def test_propose_costs_are_learnt_from_steady_drafting_not_from_catching_up(checkpoints, tmp_path):
+    """The Propose that follows a prompt, or steps that asked for no drafts, also catches the
+    drafter up on their context: dearer once. Priced into k, it made the first drafts and every
+    probe look too dear to ask for again; only Proposes of steady drafting are learnt from."""
+    target, same, _ = checkpoints
+    core = _core(target, same, tmp_path)
+    policy = RecordingPolicy(K, [K, K, 0, 0, 0, 2, 3, 0, 1, 1])
+    core.speculator.policy = policy
+    _generate(core, PROMPTS[1])
+    # K after the prompt: catching up; K: steady; 0, 0, 0: no call; 2 after them: catching up;
+    # 3: steady; 0: no call; 1: catching up (two steps' context); 1: steady; then K, steady
+    assert policy.proposes[:4] == [K + 1, 3 + 1, 1 + 1, K + 1], policy.proposes
+    core.close()
