@@ -23,6 +23,7 @@ before this one).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
@@ -103,11 +104,15 @@ class CostTable:
     (adjacent widths out of order are pooled into their mean, so one slow outlier raises
     its neighbours a little instead of every wider width to its own value), linear between
     measured widths, flat below the narrowest, and beyond the widest extended by the last
-    slope, or by `prior_slope` × (seconds per unit of the widest) when only one is known."""
+    slope, or by `prior_slope` × (seconds per unit of the widest) when only one is known.
+    Past `reach` × the widest, nothing is extrapolated (infinite cost): a batch eight times
+    the size of any measured is not priced from a slope fitted at batch 1, so the policy
+    widens its steps gradually, each new width measured before a wider one is tried."""
 
     alpha: float = 0.3
     prior_slope: float = 0.15
     max_widths: int = 4096  # widths are bounded by the token budget; this bounds the table regardless
+    reach: float = 2.0
     _seconds: dict[int, float] = field(default_factory=dict)
     _fit: tuple[list[int], list[float]] | None = None  # (widths, isotonic values) until the next observe
 
@@ -142,6 +147,8 @@ class CostTable:
         if not self._seconds:
             return 0.0
         widths, values = self._fitted()
+        if width > self.reach * widths[-1]:
+            return math.inf
         if width <= widths[0]:
             return values[0]
         if width >= widths[-1]:

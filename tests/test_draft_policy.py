@@ -167,3 +167,20 @@ def test_the_policy_name_is_validated_in_the_config():
     assert EngineConfig(model="m", speculative_policy="fixed").speculative_policy == "fixed"
     with pytest.raises(ValueError, match="speculative_policy must be one of adaptive, fixed, got 'greedy'"):
         EngineConfig(model="m", speculative_policy="greedy")
+
+
+def test_widths_far_past_the_measured_ones_are_not_extrapolated():
+    """Costs measured at batch 1 (widths 1..9) price k = 1 for a batch of 8 (width 16), not
+    k = 8 (width 72): the policy widens step by step, measuring each width first."""
+    policy = DraftPolicy(K)
+    for tokens in range(1, K + 2):
+        policy.record_forward(tokens, DECODE * (1 + 0.01 * (tokens - 1)))  # verifies look almost free
+        policy.record_propose(tokens, 0.0001)
+    for _ in range(60):
+        policy.record_verify(K, K)  # and every draft is accepted
+    assert policy.forward.estimate(2 * (K + 1)) < float("inf") == policy.forward.estimate(2 * (K + 1) + 1)
+    assert policy.decide(1, 1, K) == K
+    assert policy.decide(8, 8, K) == 1  # width 16: within reach of the measured 9
+    policy.record_forward(16, DECODE * 1.1)
+    policy.record_propose(16, 0.0002)
+    assert policy.decide(8, 8, K) == 3  # width 32 now within reach
