@@ -38,26 +38,40 @@ class StagedRows:
     """Hidden-state rows of context a drafter that reads them (DFlash) has not been sent yet.
 
     Each forward writes its tokens' rows to the staging buffer, and an update names where
-    (`staging_row`). A step that sends no Propose copies those rows out (`hold`) before the
-    next forward overwrites them; when a Propose goes, `restage` packs each update's held
-    rows and its fresh ones into consecutive staging rows and points the update at them."""
+    (`staging_row`). A step that sends no Propose copies those rows out (`hold`, one gather
+    into `buffer`) before the next forward overwrites them; when a Propose goes, `restage`
+    packs each update's held rows and its fresh ones into consecutive staging rows (one
+    gather) and points the update at them. A few tensor ops a step, whatever the batch."""
 
     fresh: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id → (first row, count), last forward's
-    held: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # seq_id → copied rows [count, width], in order
-    held_rows: int = 0
+    held: dict[int, list[int]] = field(default_factory=dict)  # seq_id → its rows of `buffer`, in context order
+    buffer: torch.Tensor | None = None  # [staging rows, width]: the held rows, in the order held
+    used: int = 0  # rows of `buffer` written since the last restage (a dropped sequence's stay counted)
 
     def note_fresh(self, seq_id: int, row: int, count: int) -> None:
         if count > 0:
             self.fresh[seq_id] = (row, count)
 
     def rows_after_holding(self) -> int:
-        return self.held_rows + sum(count for _, count in self.fresh.values())
+        return self.used + sum(count for _, count in self.fresh.values())
 
     def hold(self, staging: torch.Tensor) -> None:
         """Copy the last forward's rows out of `staging` [rows, width]: the next forward reuses it."""
-        for seq_id, (row, count) in self.fresh.items():
-            self.held.setdefault(seq_id, []).append(staging[row : row + count].clone())  # [count, width]
-            self.held_rows += count
+        if not self.fresh:
+            return
+        if self.buffer is None or self.buffer.shape != staging.shape or self.buffer.device != staging.device:
+            self.buffer = torch.empty_like(staging)  # [rows, width]
+        rows = self._fresh_rows()
+        end = self.used + len(rows)
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # the usual case: one run of rows, one copy
+            self.buffer[self.used : end].copy_(staging[rows[0] : rows[0] + len(rows)])
+        else:
+            torch.index_select(staging, 0, torch.tensor(rows, device=staging.device), out=self.buffer[self.used : end])
+        cursor = self.used
+        for seq_id, (_, count) in self.fresh.items():
+            self.held.setdefault(seq_id, []).extend(range(cursor, cursor + count))
+            cursor += count
+        self.used = end
         self.fresh.clear()
 
     def restage(self, staging: torch.Tensor, updates: dict[int, dpb.SequenceUpdate]) -> None:
@@ -66,32 +80,32 @@ class StagedRows:
         if not self.held:
             self.fresh.clear()
             return
-        spans, parts, row = [], [], 0
+        fresh_at, cursor = {}, self.used  # fresh rows follow the held ones in `sources`
+        for seq_id, (_, count) in self.fresh.items():
+            fresh_at[seq_id] = range(cursor, cursor + count)
+            cursor += count
+        order: list[int] = []
         for seq_id, update in updates.items():
-            chunks = self.held.get(seq_id, [])
-            if seq_id in self.fresh:
-                first, count = self.fresh[seq_id]
-                chunks = [*chunks, staging[first : first + count]]
-            if not chunks:
-                continue
-            rows = sum(chunk.shape[0] for chunk in chunks)
-            spans.append((update, row))
-            parts.extend(chunks)
-            row += rows
-        packed = torch.cat(parts)  # [rows, width]: a copy, so fresh rows may be overwritten below
-        staging[: packed.shape[0]].copy_(packed)
-        for update, first in spans:
-            update.staging_row = first
+            rows = [*self.held.get(seq_id, ()), *fresh_at.get(seq_id, ())]
+            if rows:
+                update.staging_row = len(order)
+                order.extend(rows)
+        fresh = staging[torch.tensor(self._fresh_rows(), dtype=torch.long, device=staging.device)]  # [F, width]
+        sources = torch.cat([self.buffer[: self.used], fresh])  # [used + F, width]: copies, so staging may be written
+        staging[: len(order)] = sources[torch.tensor(order, device=staging.device)]
         self.clear()
 
+    def _fresh_rows(self) -> list[int]:
+        return [r for row, count in self.fresh.values() for r in range(row, row + count)]
+
     def drop(self, seq_id: int) -> None:
-        self.held_rows -= sum(chunk.shape[0] for chunk in self.held.pop(seq_id, []))
+        self.held.pop(seq_id, None)  # its buffer rows are reclaimed at the next restage
         self.fresh.pop(seq_id, None)
 
     def clear(self) -> None:
         self.fresh.clear()
         self.held.clear()
-        self.held_rows = 0
+        self.used = 0
 
 
 @dataclass
