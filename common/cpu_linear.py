@@ -9,6 +9,12 @@ keeps its weight and a packed copy, and takes the packed path from `MIN_PACKED_R
 rows on. This is what torch's own inductor does when it freezes a CPU model
 (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`).
 
+oneDNN builds (and caches, up to 1024 by default) one primitive per input shape, with
+its own scratch memory: prompts of every length would add primitives, and memory, for a
+long while (+40 MB over a flood of mixed requests). So row counts past `EXACT_ROWS` are
+padded up to one of a few sizes (×1.5 or ×4/3 apart: 24, 32, 48, 64, 96, ...), which
+keeps the shapes, and the memory, bounded for at most a third more work on a prefill.
+
 Float32 on a CPU only; anywhere else, or where this torch build lacks the ops or its
 result disagrees with `F.linear` on a probe, models keep their `nn.Linear` layers.
 """
@@ -23,6 +29,18 @@ from torch import nn
 
 MIN_PACKED_ROWS = 4  # below this, the plain sgemm is as fast or faster (measured on the demo shapes)
 PACKING_BATCH_HINT = 16  # the row count oneDNN tunes the packed layout for
+EXACT_ROWS = 16  # up to here (decodes and verifies of small batches) every row count runs as it is
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a product of `rows` rows runs at: itself up to EXACT_ROWS, else the next of
+    EXACT_ROWS × 1.5, × 2, × 3, × 4, × 6, ... (each step ×1.5 from a power of two, ×4/3 to one)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    size = EXACT_ROWS
+    while size < rows:
+        size = size + size // 2 if size & (size - 1) == 0 else size // 3 * 4
+    return size
 
 
 def _ops_available() -> bool:
@@ -49,8 +67,11 @@ class PackedLinear(nn.Module):
         if rows < MIN_PACKED_ROWS:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        padded = padded_rows(rows)
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])  # [padded, in]
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")  # [padded, out]
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
 
 def _agrees_with_f_linear(linear: nn.Linear) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.cpu_linear import MIN_PACKED_ROWS, PackedLinear, pack_cpu_linears
+from common.cpu_linear import EXACT_ROWS, MIN_PACKED_ROWS, PackedLinear, pack_cpu_linears, padded_rows
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
 
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 9, 72])
+@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 9, EXACT_ROWS, EXACT_ROWS + 1, 72, 100])
 def test_packed_linear_computes_what_nn_linear_does(bias, rows):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
@@ -50,3 +50,13 @@ def test_only_float32_cpu_layers_are_packed():
     model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8, device="meta"))
     assert pack_cpu_linears(model, log) == 0
     assert all(type(m) is nn.Linear for m in model)
+
+
+def test_row_counts_map_to_few_shapes_for_little_padding():
+    """oneDNN keeps a primitive, with scratch memory, per shape: prompts of every length must
+    not each make one (a flood of mixed requests grew the target by 40 MB with exact shapes)."""
+    sizes = {padded_rows(rows) for rows in range(1, 4097)}
+    assert len(sizes) <= EXACT_ROWS + 16, sorted(sizes)
+    for rows in range(1, 4097):
+        assert rows <= padded_rows(rows) <= max(rows, 1.5 * rows)
+    assert [padded_rows(r) for r in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
