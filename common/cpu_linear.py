@@ -9,11 +9,13 @@ keeps its weight and a packed copy, and takes the packed path from `MIN_PACKED_R
 rows on. This is what torch's own inductor does when it freezes a CPU model
 (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`).
 
-oneDNN builds (and caches, up to 1024 by default) one primitive per input shape, with
-its own scratch memory: prompts of every length would add primitives, and memory, for a
-long while (+40 MB over a flood of mixed requests). So row counts past `EXACT_ROWS` are
-padded up to one of a few sizes (×1.5 or ×4/3 apart: 24, 32, 48, 64, 96, ...), which
-keeps the shapes, and the memory, bounded for at most a third more work on a prefill.
+oneDNN JIT-compiles (and caches) one primitive per input shape, about 0.5 MB each:
+prompts of every length would keep adding them, and memory (+40 MB over a flood of mixed
+requests). So row counts past `EXACT_ROWS` are padded up to one of a few sizes (×1.5 or
+×4/3 apart: 24, 32, 48, ..., 512), at most a third more work on a prefill; past
+`MAX_PACKED_ROWS` the plain product runs; and every shape that can occur is built once,
+when the model is packed (~0.1 s, and on the demo target ~75 MB up front instead of a
+slow climb).
 
 Float32 on a CPU only; anywhere else, or where this torch build lacks the ops or its
 result disagrees with `F.linear` on a probe, models keep their `nn.Linear` layers.
@@ -30,6 +32,7 @@ from torch import nn
 MIN_PACKED_ROWS = 4  # below this, the plain sgemm is as fast or faster (measured on the demo shapes)
 PACKING_BATCH_HINT = 16  # the row count oneDNN tunes the packed layout for
 EXACT_ROWS = 16  # up to here (decodes and verifies of small batches) every row count runs as it is
+MAX_PACKED_ROWS = 512  # past this, F.linear: a chunk that large is compute-bound either way
 
 
 def padded_rows(rows: int) -> int:
@@ -64,7 +67,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         rows = x.numel() // self.in_features
-        if rows < MIN_PACKED_ROWS:
+        if not MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         padded = padded_rows(rows)
@@ -99,7 +102,26 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger) -> int:
     if not _agrees_with_f_linear(linears[0][2]):
         log.warning("CPU linears: oneDNN's packed product disagreed with F.linear on a probe; using torch's default")
         return 0
+    packed = []
     for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child))
-    log.info("CPU linears: %d packed for oneDNN (products of %d+ rows)", len(linears), MIN_PACKED_ROWS)
+        packed.append(PackedLinear(child))
+        setattr(parent, name, packed[-1])
+    _build_every_shape(packed)
+    log.info("CPU linears: %d packed for oneDNN (products of %d to %d rows)", len(linears), MIN_PACKED_ROWS,
+             MAX_PACKED_ROWS)
     return len(linears)
+
+
+def packed_row_counts() -> list[int]:
+    """Every row count a packed product runs at."""
+    return sorted({padded_rows(rows) for rows in range(MIN_PACKED_ROWS, MAX_PACKED_ROWS + 1)})
+
+
+def _build_every_shape(packed: list[PackedLinear]) -> None:
+    """Run each distinct layer shape once at every row count, so that oneDNN builds all its
+    primitives now: memory is spent at load, not a little more with each new prompt length."""
+    shapes = {(layer.in_features, layer.out_features, layer.bias is not None): layer for layer in packed}
+    with torch.inference_mode():
+        for layer in shapes.values():
+            for rows in packed_row_counts():
+                layer(torch.zeros(rows, layer.in_features))

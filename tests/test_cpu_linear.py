@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from common.cpu_linear import EXACT_ROWS, MIN_PACKED_ROWS, PackedLinear, pack_cpu_linears, padded_rows
+from common.cpu_linear import (EXACT_ROWS, MAX_PACKED_ROWS, MIN_PACKED_ROWS, PackedLinear, pack_cpu_linears,
+                               packed_row_counts, padded_rows)
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
 
@@ -17,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 9, EXACT_ROWS, EXACT_ROWS + 1, 72, 100])
+@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS - 1, MIN_PACKED_ROWS, 9, EXACT_ROWS, EXACT_ROWS + 1, 72, 100,
+                                  MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1])
 def test_packed_linear_computes_what_nn_linear_does(bias, rows):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
@@ -55,8 +57,8 @@ def test_only_float32_cpu_layers_are_packed():
 def test_row_counts_map_to_few_shapes_for_little_padding():
     """oneDNN keeps a primitive, with scratch memory, per shape: prompts of every length must
     not each make one (a flood of mixed requests grew the target by 40 MB with exact shapes)."""
-    sizes = {padded_rows(rows) for rows in range(1, 4097)}
-    assert len(sizes) <= EXACT_ROWS + 16, sorted(sizes)
+    sizes = packed_row_counts()
+    assert len(sizes) <= EXACT_ROWS + 10 and max(sizes) == MAX_PACKED_ROWS, sizes
     for rows in range(1, 4097):
         assert rows <= padded_rows(rows) <= max(rows, 1.5 * rows)
     assert [padded_rows(r) for r in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
