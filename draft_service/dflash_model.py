@@ -387,7 +387,9 @@ class DFlashDraftModel(nn.Module):
         return DraftProposal(token_ids=logits.argmax(dim=-1), logits=logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, V] float32
-        logits = self.target.lm_head(hidden).float() * self.dflash.output_multiplier
+        logits = self.target.lm_head(hidden).float()
+        if self.dflash.output_multiplier != 1.0:  # a full pass over [N, V] otherwise
+            logits = logits * self.dflash.output_multiplier
         return softcap(logits, self.dflash.final_logit_softcapping)
 
     def _check_propose_args(

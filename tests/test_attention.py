@@ -287,3 +287,23 @@ def test_select_backend():
         select_backend("flashinfer", cpu)
     with pytest.raises(ValueError, match="must be one of"):
         select_backend("xformers", cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 4.0])
+def test_fp8_e4m3_reads_what_torchs_own_conversion_gives_for_every_finite_code(dtype, scale):
+    """kv_quant reads e4m3 pages through float16 (torch's own conversion is a scalar loop
+    on a CPU): every finite code, subnormals and both zeros included, reads bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # [256]
+    finite = ~torch.isnan(codes.float())
+    expected = (codes.float() * scale if scale != 1.0 else codes.float()).to(dtype)
+    got = dequantize(codes, dtype, scale)
+    assert got.dtype == dtype
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.equal(got[finite].signbit(), expected[finite].signbit())  # -0 stays -0
+    assert (got[~finite].float().abs() > torch.finfo(torch.float8_e4m3fn).max * scale).all()
+    # a strided view of pages (the gather hands over [B, H, S, D] views) reads the same
+    pages = codes[torch.randperm(256, generator=torch.Generator().manual_seed(0))].view(4, 8, 2, 4)
+    view = pages.transpose(1, 2)  # [4, 2, 8, 4], not contiguous
+    torch.testing.assert_close(dequantize(view, dtype, scale), dequantize(view.contiguous(), dtype, scale),
+                               equal_nan=True, rtol=0, atol=0)

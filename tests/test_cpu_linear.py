@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from common.cpu_linear import (EXACT_ROWS, MAX_PACKED_ROWS, MIN_PACKED_ROWS, PackedLinear, pack_cpu_linears,
-                               packed_row_counts, padded_rows)
+from common.cpu_linear import (EXACT_ROWS, MAX_PACKED_ROWS, MIN_PACKED_ROWS, PackedLinear, native_cpu_bf16,
+                               pack_cpu_linears, packed_row_counts, padded_rows)
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
 
@@ -48,10 +48,26 @@ def test_a_model_is_packed_in_place_with_its_parameters_and_state_dict_unchanged
     assert model.fingerprint() == reference.fingerprint()
 
 
-def test_only_float32_cpu_layers_are_packed():
-    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8, device="meta"))
-    assert pack_cpu_linears(model, log) == 0
-    assert all(type(m) is nn.Linear for m in model)
+def test_only_cpu_layers_of_a_packable_dtype_are_packed():
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.float16), nn.Linear(8, 8, device="meta"),
+                          nn.Linear(8, 8).to(torch.bfloat16))
+    assert pack_cpu_linears(model, log) == (1 if native_cpu_bf16() else 0)
+    assert type(model[0]) is nn.Linear and type(model[1]) is nn.Linear
+    assert (type(model[2]) is PackedLinear) == native_cpu_bf16()
+
+
+@pytest.mark.skipif(not native_cpu_bf16(), reason="this CPU has no native bfloat16 dot products")
+@pytest.mark.parametrize("rows", [1, 9, EXACT_ROWS + 1, MAX_PACKED_ROWS + 1])
+def test_bfloat16_layers_are_packed_from_one_row_and_compute_what_nn_linear_does(rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, expected = packed(x), linear(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert packed_row_counts(torch.bfloat16)[0] == 1
 
 
 def test_row_counts_map_to_few_shapes_for_little_padding():
