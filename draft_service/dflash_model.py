@@ -100,6 +100,16 @@ class DFlashConfig:
         )
 
 
+@dataclass(frozen=True)
+class NewContext:
+    """Context rows not yet written, drafted over in the same forward as the block (their
+    K/V share each layer's k/v products with the block's and land in the pages on the way)."""
+
+    features: torch.Tensor  # [Tc, n * hidden] the target's feature rows, any sequence order
+    positions: torch.Tensor  # [Tc] long
+    slot_mapping: torch.Tensor  # [Tc] int64: page * page_size + offset of each row's K/V
+
+
 @dataclass
 class DraftProposal:
     token_ids: torch.Tensor  # [B, K] long, greedy
@@ -344,16 +354,21 @@ class DFlashDraftModel(nn.Module):
                 f"write_context: features {tuple(features.shape)} and positions {tuple(positions.shape)} "
                 f"for {meta.num_tokens} tokens of width {self.feature_width}"
             )
-        layout: KVLayout = backend.layout
-        context = self.hidden_norm(self.fc(features.to(self.dtype)))  # [T, hidden]
+        context = self.project_context(features)  # [T, hidden]
         cos, sin = self.rotary(positions, context.dtype)  # [T, D] each
         for i, layer in enumerate(self.layers):
             k, v = context_kv(layer.self_attn, context, cos, sin)  # [T, Hkv, D] each
-            spec = layout.layer("draft", i)
-            write_kv_to_pages(
-                kv_caches[i], k, v, meta.slot_mapping,
-                order=layout.order, page_size=layout.page_size, k_scale=spec.k_scale, v_scale=spec.v_scale,
-            )
+            self._write_kv(i, k, v, meta.slot_mapping, kv_caches, backend.layout)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:  # [T, n * hidden] → [T, hidden]
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    @staticmethod
+    def _write_kv(i: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                  kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor], layout: KVLayout) -> None:
+        spec = layout.layer("draft", i)
+        write_kv_to_pages(kv_caches[i], k, v, slots, order=layout.order, page_size=layout.page_size,
+                          k_scale=spec.k_scale, v_scale=spec.v_scale)
 
     # -- proposal -----------------------------------------------------------------------
 
@@ -366,8 +381,12 @@ class DFlashDraftModel(nn.Module):
         kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],  # index = draft layer
         backend: AttentionBackend,
         num_tokens: int | None = None,  # K; defaults to block_size - 1
+        new_context: NewContext | None = None,  # rows before position p not written yet
     ) -> DraftProposal:
-        """Greedy draft tokens [B, K] and their logits [B, K, V], batched over sequences."""
+        """Greedy draft tokens [B, K] and their logits [B, K, V], batched over sequences.
+
+        With `new_context`, those rows' K/V are computed and written in this same forward
+        (what `write_context` would do first, in one pass less over the layers)."""
         k_draft = self.num_speculative_tokens if num_tokens is None else num_tokens
         self._check_propose_args(last_token_ids, context_lens, page_tables, k_draft)
         layout: KVLayout = backend.layout
@@ -378,13 +397,49 @@ class DFlashDraftModel(nn.Module):
         ids = block_token_ids(last_token_ids.long(), k_draft, self.dflash.mask_token_id)  # [B, K + 1]
         hidden = self.target.embed(ids.reshape(-1)).to(self.dtype)  # [T, hidden], T = B * (K + 1)
         hidden = hidden * self.dflash.input_embedding_scale
-        cos, sin = self.rotary(block_positions(context_lens, k_draft, device), hidden.dtype)  # [T, D] each
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_caches[i], backend, layout.layer("draft", i))  # [T, hidden]
+        positions = block_positions(context_lens, k_draft, device)  # [T]
+        if new_context is None:
+            cos, sin = self.rotary(positions, hidden.dtype)  # [T, D] each
+            for i, layer in enumerate(self.layers):
+                hidden = layer(hidden, cos, sin, kv_caches[i], backend, layout.layer("draft", i))  # [T, hidden]
+        else:
+            context = self.project_context(new_context.features)  # [Tc, hidden]
+            cos, sin = self.rotary(torch.cat([new_context.positions, positions]), hidden.dtype)  # [Tc + T, D]
+            for i, layer in enumerate(self.layers):
+                hidden = self._layer_with_context(i, layer, hidden, context, cos, sin, new_context.slot_mapping,
+                                                  kv_caches, backend)  # [T, hidden]
         drafts = hidden.view(len(context_lens), k_draft + 1, -1)[:, 1:]  # [B, K, hidden]
         logits = self.compute_logits(self.norm(drafts.reshape(-1, drafts.shape[-1])))  # [B * K, V]
         logits = logits.view(len(context_lens), k_draft, -1)  # [B, K, V]
         return DraftProposal(token_ids=logits.argmax(dim=-1), logits=logits)
+
+    def _layer_with_context(
+        self,
+        i: int,
+        layer: DecoderLayer,
+        hidden: torch.Tensor,  # [T, hidden] the block rows
+        context: torch.Tensor,  # [Tc, hidden] projected new context rows
+        cos: torch.Tensor,  # [Tc + T, D]: the context rows' first
+        sin: torch.Tensor,  # [Tc + T, D]
+        context_slots: torch.Tensor,  # [Tc]
+        kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden]
+        """`DecoderLayer.forward` for the block, whose k/v products also take the new context
+        rows (one product each instead of two); their K/V are written before the block attends."""
+        attn, num_context, tokens = layer.self_attn, context.shape[0], hidden.shape[0]
+        x = layer.input_layernorm(hidden)  # [T, hidden]
+        rows = torch.cat([context, x])  # [Tc + T, hidden]
+        k = attn.k_norm(attn.k_proj(rows).view(num_context + tokens, attn.num_kv_heads, attn.head_dim))
+        k = apply_rope(k, cos, sin)  # [Tc + T, Hkv, D]
+        v = attn.v_proj(rows).view(num_context + tokens, attn.num_kv_heads, attn.head_dim)  # [Tc + T, Hkv, D]
+        self._write_kv(i, k[:num_context], v[:num_context], context_slots, kv_caches, backend.layout)
+        q = attn.q_norm(attn.q_proj(x).view(tokens, attn.num_heads, attn.head_dim))  # [T, Hq, D]
+        q = apply_rope(q, cos[num_context:], sin[num_context:])
+        spec = backend.layout.layer("draft", i)
+        out = backend.forward(q, k[num_context:], v[num_context:], kv_caches[i], spec, attn.scale)  # [T, Hq, D]
+        hidden = hidden + attn.o_proj(out.reshape(tokens, attn.num_heads * attn.head_dim))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, V] float32
         logits = self.target.lm_head(hidden).float()

@@ -35,6 +35,7 @@ from draft_service.dflash_model import (
     DFlashConfigError,
     DFlashDraftModel,
     DraftProposal,
+    NewContext,
     TargetHeads,
     build_target_layer_ids,
 )
@@ -315,6 +316,44 @@ def test_batched_propose_equals_single_sequences(models, make_paged):
         assert batched.token_ids[b].tolist() == single.token_ids[0].tolist()
         expected = reference_block(models, case.features, case.next_token, case.length)
         torch.testing.assert_close(batched.logits[b], expected, atol=LOGIT_ATOL, rtol=0)
+
+
+def new_context(cases_chunks: list[tuple[Case, int, int]], tables: list[list[int]]) -> NewContext:
+    """The rows start..end of each case, handed to `propose` instead of written first."""
+    positions = [pos for _, start, end in cases_chunks for pos in range(start, end)]
+    slots = [table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+             for (_, start, end), table in zip(cases_chunks, tables) for pos in range(start, end)]
+    return NewContext(
+        features=torch.cat([case.features[start:end] for case, start, end in cases_chunks]),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+    )
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_context_drafted_over_in_the_same_forward_equals_written_first(models, make_paged, order):
+    """`propose(new_context=...)` writes the held rows' K/V inside the block's forward: the
+    drafts, the logits and every page equal a write_context followed by propose."""
+    cases = [models.cases[4], models.cases[0], models.cases[2]]
+    splits = [c.length - 1 - 3 * i for i, c in enumerate(cases)]  # 1, 4 and 7 rows held
+    anchors = torch.tensor([c.next_token for c in cases])
+    lengths = [c.length for c in cases]
+    fused_pool, written_pool = make_paged(order), make_paged(order)
+    tables = [fused_pool.allocate(c.length + K + 1) for c in cases]
+    for paged in (fused_pool, written_pool):
+        write_chunks(models.ours, paged, [(c, 0, s) for c, s in zip(cases, splits)], tables)
+    held = [(c, s, c.length) for c, s in zip(cases, splits)]
+    fused = models.ours.propose(anchors, lengths, tables, fused_pool.kv_caches, fused_pool.backend,
+                                new_context=new_context(held, tables))
+    write_chunks(models.ours, written_pool, held, tables)
+    written = models.ours.propose(anchors, lengths, tables, written_pool.kv_caches, written_pool.backend)
+    assert fused.token_ids.tolist() == written.token_ids.tolist()
+    torch.testing.assert_close(fused.logits, written.logits, atol=LOGIT_ATOL, rtol=0)
+    for i in fused_pool.kv_caches:
+        torch.testing.assert_close(fused_pool.kv_caches[i], written_pool.kv_caches[i], atol=1e-5, rtol=0)
+    for b, case in enumerate(cases):
+        expected = reference_block(models, case.features, case.next_token, case.length)
+        torch.testing.assert_close(fused.logits[b], expected, atol=LOGIT_ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------

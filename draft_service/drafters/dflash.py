@@ -22,7 +22,7 @@ from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from common.weights import load_config, resolve_model_path, safetensors_files
-from draft_service.dflash_model import DFlashDraftModel, TargetHeads
+from draft_service.dflash_model import DFlashDraftModel, NewContext, TargetHeads
 from draft_service.drafters.base import (
     WARMUP_CONTEXT,
     DraftSequence,
@@ -148,16 +148,19 @@ class DFlashDrafter(PooledDrafter):
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
         """Context K/V is written lazily: a sequence's rows are held until it drafts (or holds
-        MAX_HELD_ROWS), so steps that send context without asking for drafts cost a copy."""
+        MAX_HELD_ROWS), so steps that send context without asking for drafts cost a copy; a
+        drafting sequence's held rows go through the same forward as its block."""
         for seq, rows, _ in items:
             if rows is not None and rows.shape[0] > 0:
                 seq.held_rows.append(rows)
         counts = self._draft_counts(items)
         drafting = {seq.seq_id for seq, _ in counts}
-        self._write_context([seq for seq, _, _ in items if seq.held_rows and (
-            seq.seq_id in drafting or sum(rows.shape[0] for rows in seq.held_rows) >= MAX_HELD_ROWS)])
-        # Block slots p .. p + k lie in the sequence's pages; p >= 1 context token.
-        wanted = [(seq, k) for seq, k in counts if seq.num_context == seq.context_len >= 1]
+        self._write_context([seq for seq, _, _ in items if seq.seq_id not in drafting and seq.held_rows
+                             and sum(rows.shape[0] for rows in seq.held_rows) >= MAX_HELD_ROWS])
+        # Block slots p .. p + k lie in the sequence's pages; p >= 1 context token, every
+        # one of them written or held.
+        wanted = [(seq, k) for seq, k in counts
+                  if seq.num_context + self._held_count(seq) == seq.context_len >= 1]
         drafts: dict[int, list[int]] = {}
         by_k = sorted(wanted, key=lambda item: item[1])
         for k, group in itertools.groupby(by_k, key=lambda item: item[1]):  # one forward per distinct k
@@ -169,10 +172,38 @@ class DFlashDrafter(PooledDrafter):
                 self._kv_caches,
                 self._backend,
                 num_tokens=k,
+                new_context=self._take_held_rows(seqs),
             )
             for seq, tokens in zip(seqs, proposal.token_ids.tolist()):
                 drafts[seq.seq_id] = tokens
         return drafts
+
+    @staticmethod
+    def _held_count(seq: DraftSequence) -> int:
+        return sum(rows.shape[0] for rows in seq.held_rows)
+
+    def _take_held_rows(self, seqs: list[DraftSequence]) -> NewContext | None:
+        """The held rows of these sequences, with their positions and KV slots; they count as
+        written context from here on (the forward they are handed to writes them)."""
+        page_size = self.layout.page_size
+        features: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq in seqs:
+            count = self._held_count(seq)
+            for pos in range(seq.num_context, seq.num_context + count):
+                positions.append(pos)
+                slots.append(seq.page_table[pos // page_size] * page_size + pos % page_size)
+            features.extend(seq.held_rows)
+            seq.num_context += count
+            seq.held_rows = []
+        if not features:
+            return None
+        return NewContext(
+            features=(torch.cat(features) if len(features) > 1 else features[0]).to(self.device),  # [Tc, width]
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),  # [Tc]
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),  # [Tc]
+        )
 
     def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
         """The context write and one block of K drafts (DFlash's non-causal attention)."""
