@@ -43,3 +43,25 @@ def test_propose_rtt_times_a_live_drafter(capsys):
     for row in rows:
         median, p90 = (int(cell) for cell in row.split("|")[2:4])
         assert 0 < median <= p90
+
+
+def test_pearl_bound_reads_full_acceptance_from_the_engines_counters(tmp_path, capsys):
+    """A draft model identical to the target accepts every draft: the bound script must see
+    all K accepted on every drafted step (and DFlash's bound is zero by construction)."""
+    from bench import pearl_bound
+
+    models = tmp_path / "models"
+    target = make_qwen3(models / "target", num_hidden_layers=TARGET_LAYERS)
+    shutil.copytree(target, models / "draft_model")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    make_reference_dflash(models / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    # 13 tokens = the prefill's 1 + 3 steps of 3 drafts + 1: no step near the end asks fewer
+    same = pearl_bound.measure(models, "draft_model", [tok.encode("def f(x):")] * 2, 13, 3)
+    assert same["drafted steps"] > 0 and same["all K accepted"] == 1.0
+    assert same["accepted per drafted step"] == pytest.approx(3.0)
+    assert 0 < same["bound"] <= 1
+    assert pearl_bound.main(["--models", str(models), "--prompts", "2", "--new-tokens", "13", "-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "| draft_model | 3.00 | 100.0% |" in out and "| dflash |" in out and "0 (needs the verify's" in out

@@ -1,0 +1,100 @@
+"""How much PEARL-style drafting during the verify could save, measured before building it.
+
+PEARL (Liu et al. 2024) lets the drafter draft block n+1 while the target verifies block
+n, assuming block n is accepted in full. The work pays only on steps where every one of
+the K drafts is accepted *and* the drafter's guess for the next position equals the
+token the target emits there (the bonus token); then the next step needs no `Propose`
+wait. So the saving is at most
+
+    P(all K accepted and the bonus guessed) x (Propose time / step time)
+
+of the decode time, and it is zero for DFlash, whose drafts for block n+1 are computed
+from the target's hidden states of block n, which exist only after that verify.
+
+This drives the engine in-process at a fixed K (every step drafts), with the drafter
+called directly, on the demo pair and the held-out prompts, and prints per drafter the
+fraction of drafted steps whose K drafts were all accepted (from
+`splitspec_spec_decode_num_accepted_tokens_per_pos`), the mean Propose and step times,
+and the bound above (taking the bonus guess as always right, so an overestimate; a
+request's last step may ask fewer than K drafts and then counts as not all accepted: at
+most one drafted step per request).
+
+  .venv/bin/python bench/pearl_bound.py [--models demo] [--prompts 8] [--new-tokens 64] [-k 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.compare import engine_config, run_engine  # noqa: E402
+from draft_service.drafters import DrafterConfig  # noqa: E402
+from draft_service.local import LocalDrafterStub  # noqa: E402
+from splitspec.heldout import held_out_prompts  # noqa: E402
+from target_service.engine import build_engine_core  # noqa: E402
+
+
+def counter(registry, name: str, labels: dict[str, str] | None = None) -> float:
+    return registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def measure(models: Path, kind: str, prompts: list[list[int]], new_tokens: int, k: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as shm_dir:
+        stub = LocalDrafterStub(DrafterConfig(kind=kind, model=str(models / kind),
+                                              target_model=str(models / "target"), shm_dir=shm_dir))
+        core = build_engine_core(engine_config(models, shm_dir, k, "in-process", "unused", "fixed"),
+                                 drafter_stub=stub)
+        try:
+            core.warmup()
+            tokens, seconds, steps, drafts, accepted = run_engine(core, prompts, new_tokens, 1)
+            registry = core.metrics.registry
+            num_drafts = counter(registry, "splitspec_spec_decode_num_drafts_total")
+            all_accepted = counter(registry, "splitspec_spec_decode_num_accepted_tokens_per_pos_total",
+                                   {"position": str(k - 1)})
+            propose_s = counter(registry, "splitspec_drafter_propose_latency_seconds_sum")
+            proposes = counter(registry, "splitspec_drafter_propose_latency_seconds_count")
+        finally:
+            core.close()
+    all_fraction = all_accepted / num_drafts if num_drafts else 0.0
+    propose_ms = 1e3 * propose_s / proposes if proposes else 0.0
+    step_ms = 1e3 * seconds / steps
+    return {"tokens": tokens, "drafted steps": num_drafts, "accepted per drafted step": accepted / max(1, drafts),
+            "all K accepted": all_fraction, "propose ms": propose_ms, "step ms": step_ms,
+            "bound": all_fraction * propose_ms / step_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, default=REPO / "demo")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("-k", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
+    prompts = [tokenizer.encode(text) for text in held_out_prompts(args.prompts)]
+    print(f"fixed K={args.k}, {len(prompts)} held-out prompts x {args.new_tokens} tokens, concurrency 1, "
+          f"drafter in-process\n")
+    print("| drafter | accepted drafts per drafted step | steps with all K accepted | Propose ms | step ms "
+          "| PEARL post-verify saving, at most |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind in ("draft_model", "dflash"):
+        m = measure(args.models, kind, prompts, args.new_tokens, args.k)
+        bound = "0 (needs the verify's hidden states)" if kind == "dflash" else f"{m['bound']:.1%}"
+        print(f"| {kind} | {m['accepted per drafted step']:.2f} | {m['all K accepted']:.1%} | {m['propose ms']:.2f} "
+              f"| {m['step ms']:.2f} | {bound} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
