@@ -2,8 +2,9 @@
 
 Both services load models (the target, a draft LM, DFlash and the target heads it borrows),
 so both read `--dtype` the same way: an explicit name wins; `auto` is float32 on a CPU
-(reduced-precision matmuls are slow or missing there), else the checkpoint's own dtype
-when it is one of these, else float32.
+(reduced-precision matmuls are slow or missing on most), except for a drafter on a CPU
+with native bfloat16 dot products (see `draft_service/drafters/__init__.py`), else the
+checkpoint's own dtype when it is one of these, else float32.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ def check_dtype_name(name: str) -> None:
         raise ValueError(f"dtype must be auto or one of {', '.join(MODEL_DTYPES)}, got {name!r}")
 
 
-def resolve_model_dtype(name: str, device: torch.device,
-                        checkpoint_dtype: Callable[[], torch.dtype | None]) -> torch.dtype:
+def resolve_model_dtype(name: str, device: torch.device, checkpoint_dtype: Callable[[], torch.dtype | None],
+                        cpu_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """The compute dtype for `--dtype name` on `device`; `checkpoint_dtype` is only asked off a CPU."""
     if name != "auto":
         return MODEL_DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        return cpu_dtype
     dtype = checkpoint_dtype()
     return dtype if dtype in MODEL_DTYPES.values() else torch.float32
 
