@@ -130,6 +130,8 @@ def format_usage(complete: pb.Complete) -> str:
             f" num_drafts={u.num_drafts} draft_tokens={u.draft_tokens} accepted_tokens={u.accepted_tokens}")
     if u.draft_tokens:
         line += f" acceptance={u.accepted_tokens / u.draft_tokens:.2f}"
+    if u.num_drafts:  # tokens per drafted step, the bonus token included (vLLM's "mean acceptance length")
+        line += f" acceptance_length={(u.accepted_tokens + u.num_drafts) / u.num_drafts:.2f}"
     return line
 
 

@@ -24,3 +24,16 @@ def test_info_shows_the_kv_layout_as_a_table(tmp_path):
     rows = [line.split() for line in out.splitlines() if re.match(r"  target +\d", line)]
     assert [row[1] for row in rows] == ["0", "1"]  # one row per layer of the 2-layer model
     assert all(row[2:4] == ["2", "16"] for row in rows)  # kv heads, head dim
+
+
+def test_generate_usage_line_reports_the_acceptance_length():
+    from splitspec.cli import format_usage
+    from splitspec.v1 import generation_pb2 as pb
+
+    complete = pb.Complete(finish_reason=pb.FINISH_REASON_LENGTH)
+    complete.usage.prompt_tokens, complete.usage.completion_tokens = 5, 64
+    complete.usage.num_drafts, complete.usage.draft_tokens, complete.usage.accepted_tokens = 10, 80, 35
+    line = format_usage(complete)
+    assert "finish_reason=length" in line and "acceptance=0.44" in line and "acceptance_length=4.50" in line
+    complete.usage.num_drafts = complete.usage.draft_tokens = complete.usage.accepted_tokens = 0
+    assert "acceptance" not in format_usage(complete)
