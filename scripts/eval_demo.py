@@ -91,11 +91,14 @@ class Row:
 
 
 def up_args(models: Path, drafter: str, k: int) -> argparse.Namespace:
-    return argparse.Namespace(drafter=drafter, models=models, host="127.0.0.1", port=0, draft_port=0,
-                              num_speculative_tokens=k, speculative_policy="fixed",  # acceptance at K, every step
-                              drafter_timeout_s=30.0, max_num_seqs=8,
-                              kv_cache_dtype="auto", shm_dir="/dev/shm", startup_timeout=600.0,
-                              stop_timeout=20.0, log_level="warning")
+    """`splitspec up`'s own arguments (its parser, so they cannot drift from it): loopback,
+    any free ports, no gateway, and the fixed policy (acceptance at K, every step)."""
+    from splitspec.cli import build_parser
+
+    return build_parser().parse_args([
+        "up", "--drafter", drafter, "--models", str(models), "--port", "0", "--draft-port", "0", "--no-gateway",
+        "--num-speculative-tokens", str(k), "--speculative-policy", "fixed", "--drafter-timeout-s", "30",
+        "--startup-timeout", "600", "--log-level", "warning"])
 
 
 def generate(address: str, prompt: str, max_tokens: int, k: int):

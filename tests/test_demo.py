@@ -399,3 +399,22 @@ def test_up_explains_missing_models(tmp_path):
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert "train_demo.py" in run.stdout
+
+
+def test_eval_demo_measures_through_a_real_stack(tmp_path):
+    """scripts/eval_demo.py brings the stack up with `splitspec up`'s own arguments (it once
+    built them by hand and broke when `up` gained a flag): a draft model that is the target
+    accepts every draft, and the row adds up."""
+    import shutil
+
+    import eval_demo
+
+    from tests.tiny_models import make_qwen3
+
+    models = tmp_path / "models"
+    target = make_qwen3(models / "target")
+    shutil.copytree(target, models / "draft_model")
+    row = eval_demo.measure(models, "draft_model", ["def f(x):\n    return", "class A:\n"], 9, 4, 2)
+    assert row.requests == 2 and row.completion_tokens == 2 * 9
+    assert row.num_drafts > 0 and row.accepted == row.drafted > 0
+    assert row.acceptance_length == pytest.approx((2 * 8) / max(1, 2 * 8 - row.accepted))
