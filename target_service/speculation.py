@@ -125,6 +125,7 @@ class Speculator:
     _released: list[int] = field(default_factory=list)
     _staged: StagedRows = field(default_factory=StagedRows)
     _probe_turn: int = 0
+    _probe_seq: int | None = None
     # Sequences whose pending update carries more context than one drafting step adds (a prefill
     # chunk, or steps merged while none drafted): the drafter catches up on it in the next Propose
     _backlog: set[int] = field(default_factory=set)
@@ -181,12 +182,21 @@ class Speculator:
             return {}
         k = self._choose_k(running, limits, metrics)
         if k > 0 and self.policy.probing and len(limits) > 1:
-            # A probe asks one sequence (in turn): acceptance is learnt per draft position, and
-            # a probe of the whole batch would pay a wide verify and every sequence's catch-up.
-            self._probe_turn += 1
-            seq_id = sorted(limits)[self._probe_turn % len(limits)]
+            # A probe asks one sequence: acceptance is learnt per draft position, and a probe
+            # of the whole batch would pay a wide verify and every sequence's catch-up.
+            seq_id = self._probe_sequence(limits)
             limits = {seq_id: limits[seq_id]}
         return {seq_id: min(limit, k) for seq_id, limit in limits.items() if k > 0}
+
+    def _probe_sequence(self, limits: dict[int, int]) -> int:
+        """The sequence probed last while it still runs, else the next in turn: a drafter
+        catches a sequence up on everything since it last drafted (DFlash writes that
+        context, a draft LM decodes it), so probing one sequence keeps that to the gap
+        between probes, where turns would make each probe catch up a whole context."""
+        if self._probe_seq not in limits:
+            self._probe_turn += 1
+            self._probe_seq = sorted(limits)[self._probe_turn % len(limits)]
+        return self._probe_seq
 
     def _choose_k(self, running: list[Sequence], limits: dict[int, int], metrics: TargetMetrics) -> int:
         base = sum(seq.num_uncomputed_tokens for seq in running)  # decodes 1 each, prefills their rest
