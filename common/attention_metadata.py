@@ -13,6 +13,11 @@ from dataclasses import dataclass
 import torch
 
 
+def slot_of(page_table: list[int], position: int, page_size: int) -> int:
+    """The KV slot (page_id * page_size + offset) of a token position in a page table."""
+    return page_table[position // page_size] * page_size + position % page_size
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]  # per sequence
@@ -57,8 +62,7 @@ class AttentionMetadata:
                 raise ValueError(f"query length {q_len} exceeds sequence length {s_len}")
             if len(table) * page_size < s_len:
                 raise ValueError(f"page table of {len(table)} pages cannot hold {s_len} tokens")
-            for pos in range(s_len - q_len, s_len):
-                slots.append(table[pos // page_size] * page_size + pos % page_size)
+            slots.extend(slot_of(table, pos, page_size) for pos in range(s_len - q_len, s_len))
         max_pages = max((len(t) for t in page_tables), default=0)
         padded = [t + [0] * (max_pages - len(t)) for t in page_tables]
         starts = [0]

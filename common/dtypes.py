@@ -2,7 +2,7 @@
 
 Both services load models (the target, a draft LM, DFlash and the target heads it borrows),
 so both read `--dtype` the same way: an explicit name wins; `auto` is float32 on a CPU
-(reduced-precision matmuls are slow or missing on most), except for a drafter on a CPU
+(reduced-precision matmuls are slow or missing on most), except for DFlash on a CPU
 with native bfloat16 dot products (see `draft_service/drafters/__init__.py`), else the
 checkpoint's own dtype when it is one of these, else float32.
 """

@@ -429,10 +429,7 @@ class DFlashDraftModel(nn.Module):
         rows (one product each instead of two); their K/V are written before the block attends."""
         attn, num_context, tokens = layer.self_attn, context.shape[0], hidden.shape[0]
         x = layer.input_layernorm(hidden)  # [T, hidden]
-        rows = torch.cat([context, x])  # [Tc + T, hidden]
-        k = attn.k_norm(attn.k_proj(rows).view(num_context + tokens, attn.num_kv_heads, attn.head_dim))
-        k = apply_rope(k, cos, sin)  # [Tc + T, Hkv, D]
-        v = attn.v_proj(rows).view(num_context + tokens, attn.num_kv_heads, attn.head_dim)  # [Tc + T, Hkv, D]
+        k, v = context_kv(attn, torch.cat([context, x]), cos, sin)  # [Tc + T, Hkv, D] each
         self._write_kv(i, k[:num_context], v[:num_context], context_slots, kv_caches, backend.layout)
         q = attn.q_norm(attn.q_proj(x).view(tokens, attn.num_heads, attn.head_dim))  # [T, Hq, D]
         q = apply_rope(q, cos[num_context:], sin[num_context:])

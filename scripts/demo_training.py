@@ -110,9 +110,9 @@ class Sizes:
 
 # The recipe (bench/train_steps.py's figures, 2 idle cores): ~2 h, in sessions of any length (resumable).
 # target 10.4M params (20.9 MB in bf16): 3,000 steps x 8 x 512 = 12M tokens, 20% of them from the
-# stdlib, ~40 min at ~5,200 tokens/s compiled (held-out perplexity 24.1 after 2,000 steps of a 28,000-step
-# schedule, against 71.7 for the first recipe's target: more steps bought little next to the drafters'
-# time); 10,240 greedy continuations ~17 min; DFlash 16,000 steps ~36 min; draft model ~21 min.
+# stdlib, ~40 min at ~5,200 tokens/s compiled (held-out perplexity 18.9 at the end of the demo/ run,
+# against 71.7 for the first recipe's target: more steps bought little next to the drafters' time);
+# 10,240 greedy continuations ~17 min; DFlash 16,000 steps ~36 min; draft model ~21 min.
 # All demo files ≈ 29.4 MB.
 FULL = Sizes(
     vocab_size=4096, hidden=384, layers=6, intermediate=896, heads=6, kv_heads=3, head_dim=64, context=512,

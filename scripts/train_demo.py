@@ -1,6 +1,6 @@
 """Train the bundled demo models: a tokenizer, a Qwen3 target and two drafters for it.
 
-    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~3 h on 2 idle CPU cores)
+    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~2.3 h on 2 idle CPU cores)
     .venv/bin/python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, seconds (CI)
 
 The full run is meant to take several sessions: stop it whenever (Ctrl-C, kill -9, a lost

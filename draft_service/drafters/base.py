@@ -96,6 +96,11 @@ class DraftSequence:
     held_rows: list[torch.Tensor] = field(default_factory=list)
 
     @property
+    def held_count(self) -> int:
+        """Rows held for positions num_context, num_context + 1, ..."""
+        return sum(rows.shape[0] for rows in self.held_rows)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

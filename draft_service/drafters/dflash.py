@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from common.attention_metadata import AttentionMetadata
+from common.attention_metadata import AttentionMetadata, slot_of
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
@@ -155,12 +155,12 @@ class DFlashDrafter(PooledDrafter):
                 seq.held_rows.append(rows)
         counts = self._draft_counts(items)
         drafting = {seq.seq_id for seq, _ in counts}
-        self._write_context([seq for seq, _, _ in items if seq.seq_id not in drafting and seq.held_rows
-                             and sum(rows.shape[0] for rows in seq.held_rows) >= MAX_HELD_ROWS])
+        self._write_context([seq for seq, _, _ in items
+                             if seq.seq_id not in drafting and seq.held_count >= MAX_HELD_ROWS])
         # Block slots p .. p + k lie in the sequence's pages; p >= 1 context token, every
         # one of them written or held.
         wanted = [(seq, k) for seq, k in counts
-                  if seq.num_context + self._held_count(seq) == seq.context_len >= 1]
+                  if seq.num_context + seq.held_count == seq.context_len >= 1]
         drafts: dict[int, list[int]] = {}
         by_k = sorted(wanted, key=lambda item: item[1])
         for k, group in itertools.groupby(by_k, key=lambda item: item[1]):  # one forward per distinct k
@@ -178,10 +178,6 @@ class DFlashDrafter(PooledDrafter):
                 drafts[seq.seq_id] = tokens
         return drafts
 
-    @staticmethod
-    def _held_count(seq: DraftSequence) -> int:
-        return sum(rows.shape[0] for rows in seq.held_rows)
-
     def _take_held_rows(self, seqs: list[DraftSequence]) -> NewContext | None:
         """The held rows of these sequences, with their positions and KV slots; they count as
         written context from here on (the forward they are handed to writes them)."""
@@ -190,10 +186,10 @@ class DFlashDrafter(PooledDrafter):
         positions: list[int] = []
         slots: list[int] = []
         for seq in seqs:
-            count = self._held_count(seq)
-            for pos in range(seq.num_context, seq.num_context + count):
-                positions.append(pos)
-                slots.append(seq.page_table[pos // page_size] * page_size + pos % page_size)
+            count = seq.held_count
+            new = range(seq.num_context, seq.num_context + count)
+            positions.extend(new)
+            slots.extend(slot_of(seq.page_table, pos, page_size) for pos in new)
             features.extend(seq.held_rows)
             seq.num_context += count
             seq.held_rows = []
