@@ -233,10 +233,10 @@ def measure(core: EngineCore, row: int, name: str, prompts: list[list[int]], new
         chosen = ChosenK(core)
         verify, decode = forward_mean(core, "verify"), forward_mean(core, "decode")
         n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
-        mean_k, zero_share = chosen.summary()
+        mean_k, zero_share, probe_share = chosen.summary()
         runs.append(Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
                            drafter_ms=inside.ms() if inside else None, mean_k=mean_k, zero_k_share=zero_share,
-                           verify_ms=verify.ms(), decode_ms=decode.ms(), note=_chosen_note(mean_k, zero_share)))
+                           verify_ms=verify.ms(), decode_ms=decode.ms(), note=_chosen_note(mean_k, zero_share, probe_share)))
     return median_of(runs, key=lambda r: r.seconds)
 
 
@@ -258,19 +258,23 @@ class ChosenK:
         self._start = self._read()
 
     NAMES = ("splitspec_spec_decode_num_drafts_chosen_count", "splitspec_spec_decode_num_drafts_chosen_sum",
-             "splitspec_spec_decode_policy_zero_draft_steps_total")
+             "splitspec_spec_decode_policy_zero_draft_steps_total", "splitspec_spec_decode_policy_probes_total")
 
     def _read(self) -> tuple[float, ...]:
         registry = self._core.metrics.registry  # read each time: warmup swaps the metrics object
         return tuple(registry.get_sample_value(name) or 0.0 for name in self.NAMES)
 
-    def summary(self) -> tuple[float | None, float | None]:
-        count, total, zero = (now - then for now, then in zip(self._read(), self._start, strict=True))
-        return (total / count, zero / count) if count else (None, None)
+    def summary(self) -> tuple[float | None, float | None, float | None]:
+        """Mean k, the share of steps asking no drafts, the share of steps that probe."""
+        count, total, zero, probes = (now - then for now, then in zip(self._read(), self._start, strict=True))
+        return (total / count, zero / count, probes / count) if count else (None, None, None)
 
 
-def _chosen_note(mean_k: float | None, zero_share: float | None) -> str:
-    return "" if mean_k is None else f"policy: mean k {mean_k:.2f}, k=0 in {100 * zero_share:.0f}% of steps"
+def _chosen_note(mean_k: float | None, zero_share: float | None, probe_share: float | None) -> str:
+    if mean_k is None:
+        return ""
+    return (f"policy: mean k {mean_k:.2f}, no drafts in {100 * zero_share:.0f}% of steps, "
+            f"probes in {100 * probe_share:.0f}%")
 
 
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,

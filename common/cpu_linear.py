@@ -5,9 +5,10 @@ A verify forward multiplies K+1 rows per sequence by every weight matrix. With t
 default CPU path (MKL sgemm on the weight as stored) a 9-row product costs five times a
 1-row one on the demo target (57 against 11 µs for 256→768 on one core); with the weight
 reordered once into oneDNN's blocked layout it costs 2-2.5 times less from 4 rows up
-(prefills and batched decodes gain the same), and about the same below. So each linear
-keeps its weight and a packed copy, and takes the packed path from `MIN_PACKED_ROWS`
-rows on. This is what torch's own inductor does when it freezes a CPU model
+(prefills and batched decodes gain the same), 1.2-2 times less at 2 and 3 rows (384→1152:
+46 and 67 against 38 µs), and more at 1 row (26 against 39 µs). So each linear keeps its
+weight and a packed copy, and takes the packed path from `MIN_PACKED_ROWS` rows on.
+This is what torch's own inductor does when it freezes a CPU model
 (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`).
 
 oneDNN JIT-compiles (and caches) one primitive per input shape, about 0.5 MB each:
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_PACKED_ROWS = 4  # float32: below this, the plain sgemm is as fast or faster (measured on the demo shapes)
+MIN_PACKED_ROWS = 2  # float32: a single row runs faster through the plain sgemm (measured on the demo shapes)
 MIN_PACKED_ROWS_BF16 = 1  # bfloat16: the packed product is faster from one row (torch's own is slower than float32)
 PACKING_BATCH_HINT = 16  # the row count oneDNN tunes the packed layout for
 EXACT_ROWS = 16  # up to here (decodes and verifies of small batches) every row count runs as it is

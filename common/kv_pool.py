@@ -152,6 +152,7 @@ class PagePool:
     path: Path | None = None  # the shm file, on the CPU
     lock_fd: int | None = field(default=None, repr=False)  # held while the file is ours (see above)
     _bytes: torch.Tensor = field(init=False, repr=False)
+    _staging: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
@@ -181,11 +182,14 @@ class PagePool:
         return {spec.index: self.region(spec) for spec in self.layout.layers if spec.owner == owner}
 
     def staging(self) -> torch.Tensor:
-        spec = self.layout.staging
-        if spec is None:
-            raise ValueError("this KV layout has no staging buffer")
-        raw = self._bytes[spec.offset : spec.offset + spec.nbytes]
-        return raw.view(KV_DTYPES[spec.dtype]).view(spec.rows, spec.width)
+        """[rows, width]; one view for the pool's life (the engine asks every step)."""
+        if self._staging is None:
+            spec = self.layout.staging
+            if spec is None:
+                raise ValueError("this KV layout has no staging buffer")
+            raw = self._bytes[spec.offset : spec.offset + spec.nbytes]
+            self._staging = raw.view(KV_DTYPES[spec.dtype]).view(spec.rows, spec.width)
+        return self._staging
 
     def raw_bytes(self) -> torch.Tensor:
         return self._bytes

@@ -7,13 +7,19 @@ tokens per second beat those of a step without drafts:
     seconds(k) = forward(base + n·k) + propose(n·(k+1))      (k ≥ 1; seconds(0) = forward(base))
     k*         = argmax_{0 ≤ k ≤ K} tokens(k) / seconds(k)      (k = 0 unless k* beats it by `min_gain`)
 
-- p_j: P(draft j accepted | drafts 1..j-1 accepted), an exponentially weighted estimate
-  per draft position over the verifies of the current drafter epoch (`AcceptanceEstimate`).
+- p_j: P(draft j accepted | drafts 1..j-1 accepted), from discounted counts per draft
+  position over the verifies of the current drafter epoch (`AcceptanceEstimate`); a probe
+  tests the k an optimistic view of them would choose (`DraftPolicy`).
 - forward(T): measured seconds of one forward with T query tokens in all (`CostTable`,
   an EWMA per width, monotone and piecewise linear between measured widths).
 - propose(W): the measured `Propose` round trip by draft positions asked (n·(k+1)),
-  transport included. A step without drafts sends none (speculation.py defers its
-  context to the next Propose that asks for drafts, whose measured cost includes it).
+  transport included, in steady state (every sequence drafted last step too).
+- catch-up: a step without drafts sends no Propose (speculation.py defers its context to
+  the next one that asks for drafts), so the first drafting step after a stretch of none,
+  or after a prompt, makes the drafter catch up on that context: seconds per row, learnt
+  from those Proposes, times each drafting sequence's rows spread over the steps it may
+  still draft (at most `catch_up_horizon`). It is what makes resuming drafts dear at a
+  large batch whose sequences have gone long without them.
 
 Only how many drafts are asked changes: the accept/reject rule is untouched, so the
 output is the same whatever the policy decides. `fixed` always asks for K (the policy
@@ -39,18 +45,19 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
 
 
 def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_tokens: int,
-                      forward_seconds, propose_seconds, min_gain: float = 0.0) -> int:
+                      forward_seconds, propose_seconds, min_gain: float = 0.0, catch_up_seconds: float = 0.0) -> int:
     """The k in 0..max_k maximizing expected tokens per second of the step (pure).
 
     acceptance: p_1..p_K; num_seqs: the decoding sequences that would draft; base_tokens: the
-    step's query tokens without drafts; forward_seconds(T), propose_seconds(W): cost estimates."""
+    step's query tokens without drafts; forward_seconds(T), propose_seconds(W): cost estimates;
+    catch_up_seconds: what drafting at all adds this step (the drafter catching up on context)."""
     if max_k <= 0 or num_seqs <= 0:
         return 0
     best_k = 0
     best_rate = num_seqs / forward_seconds(base_tokens)
     threshold = best_rate * (1.0 + min_gain)
     for k in range(1, max_k + 1):
-        seconds = forward_seconds(base_tokens + num_seqs * k) + propose_seconds(num_seqs * (k + 1))
+        seconds = forward_seconds(base_tokens + num_seqs * k) + propose_seconds(num_seqs * (k + 1)) + catch_up_seconds
         rate = num_seqs * expected_tokens(acceptance, k) / seconds
         if rate > threshold and rate > best_rate:
             best_k, best_rate = k, rate
@@ -59,40 +66,71 @@ def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_t
 
 @dataclass
 class AcceptanceEstimate:
-    """p_j per draft position, exponentially weighted over verifies (unobserved positions: the prior)."""
+    """p_j per draft position from discounted counts, with how sure each one is.
+
+    Each verified sequence adds a trial at positions 1..accepted+1 (a hit at the accepted
+    ones, a miss at the first rejected; later positions were not tried, so they say nothing
+    about p_j conditioned on the earlier ones). Every decision discounts all counts by
+    1 − 1/`window` (`age`), so what was seen long ago, or at a batch that no longer runs,
+    fades and a position nobody tried for a while becomes uncertain again. A position's
+    estimate is its hits over its trials, shrunk toward the rate pooled over all positions
+    by `strength` pseudo-trials (the pooled rate itself toward `prior`), so a position tried
+    a few times is not taken at its word. `optimistic()` adds `z` standard errors: what
+    a probe tests (draft_policy.DraftPolicy)."""
 
     max_k: int
-    alpha: float = 0.2  # per verified sequence: a batch of n learns n times per step
+    window: float = 64.0  # decisions for a count to fade to 1/e
     prior: float = 0.6
-    _p: list[float] = field(default_factory=list)
+    strength: float = 2.0
+    z: float = 1.0
+    _hits: list[float] = field(default_factory=list)
+    _trials: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.window < 1 or not 0.0 <= self.prior <= 1.0 or self.strength <= 0:
+            raise ValueError(f"window must be >= 1, prior in [0, 1] and strength > 0, got {self.window}, "
+                             f"{self.prior}, {self.strength}")
         self.reset()
 
     def reset(self) -> None:
-        self._p = [self.prior] * self.max_k
+        self._hits = [0.0] * self.max_k
+        self._trials = [0.0] * self.max_k
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        for j in range(min(num_accepted + 1, num_draft, self.max_k)):
+            self._trials[j] += 1.0
+            self._hits[j] += 1.0 if j < num_accepted else 0.0
+
+    def age(self) -> None:
+        keep = 1.0 - 1.0 / self.window
+        self._hits = [h * keep for h in self._hits]
+        self._trials = [t * keep for t in self._trials]
+
+    def trials(self, position: int) -> float:
+        """Discounted trials at draft position `position` (1-based)."""
+        return self._trials[position - 1]
 
     @property
     def values(self) -> list[float]:
-        return list(self._p)
+        pooled = (sum(self._hits) + self.strength * self.prior) / (sum(self._trials) + self.strength)
+        return [(h + self.strength * pooled) / (t + self.strength) for h, t in zip(self._hits, self._trials)]
 
-    def observe(self, num_draft: int, num_accepted: int) -> None:
-        """Positions 1..accepted were accepted; position accepted+1 (if drafted) was rejected.
-        Later positions were not tried, so they say nothing about p_j conditioned on them."""
-        for j in range(min(num_accepted + 1, num_draft, self.max_k)):
-            hit = 1.0 if j < num_accepted else 0.0
-            self._p[j] += self.alpha * (hit - self._p[j])
+    def optimistic(self) -> list[float]:
+        """Each p_j plus `z` standard errors (the widest a Bernoulli can have, 0.5/√n, so that a
+        position observed only rejecting, p ≈ 0, still carries its doubt)."""
+        return [min(1.0, p + self.z * 0.5 / math.sqrt(t + self.strength))
+                for p, t in zip(self.values, self._trials)]
 
 
-def isotonic(values: list[float]) -> list[float]:
-    """The non-decreasing sequence closest to `values` in squared error (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1.0])
+def isotonic(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted squared error (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights or [1.0] * len(values)):
+        blocks.append([v, w, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [mean for mean, count in blocks for _ in range(int(count))]
+            (m2, w2, n2), (m1, w1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 @dataclass
@@ -100,20 +138,26 @@ class CostTable:
     """Seconds by a width (query tokens, draft positions): an EWMA per measured width.
 
     Estimates are monotone in the width (a wider step never looks cheaper than a narrower
-    one, so noise cannot make drafts look free): the isotonic fit of the per-width means
-    (adjacent widths out of order are pooled into their mean, so one slow outlier raises
-    its neighbours a little instead of every wider width to its own value), linear between
-    measured widths, flat below the narrowest, and beyond the widest extended by the last
-    slope, or by `prior_slope` × (seconds per unit of the widest) when only one is known.
-    Past `reach` × the widest, nothing is extrapolated (infinite cost): a batch eight times
-    the size of any measured is not priced from a slope fitted at batch 1, so the policy
-    widens its steps gradually, each new width measured before a wider one is tried."""
+    one, so noise cannot make drafts look free): the isotonic fit of the per-width means,
+    each weighted by how often it was measured (up to `max_weight`), so a width measured
+    once, perhaps during a stall or on its first call, yields to the widths measured all
+    along instead of dragging them to its value; linear between measured widths, flat below
+    the narrowest, and beyond the widest extended by the last slope, or by `prior_slope` ×
+    (seconds per unit of the widest) when only one is known. A sample more than
+    `max_jump` × its width's estimate (a stall: the scheduler, a page fault, another
+    process) counts as `max_jump` × it. Past `reach` × the widest, nothing is extrapolated
+    (infinite cost): a batch eight times the size of any measured is not priced from a
+    slope fitted at batch 1, so the policy widens its steps gradually, each new width
+    measured before a wider one is tried."""
 
     alpha: float = 0.3
     prior_slope: float = 0.15
     max_widths: int = 4096  # widths are bounded by the token budget; this bounds the table regardless
     reach: float = 2.0
+    max_weight: float = 8.0
+    max_jump: float = 3.0
     _seconds: dict[int, float] = field(default_factory=dict)
+    _counts: dict[int, int] = field(default_factory=dict)
     _fit: tuple[list[int], list[float]] | None = None  # (widths, isotonic values) until the next observe
 
     def observe(self, width: int, seconds: float) -> None:
@@ -125,18 +169,21 @@ class CostTable:
                 return
             self._seconds[width] = seconds
         else:
-            self._seconds[width] = old + self.alpha * (seconds - old)
+            self._seconds[width] = old + self.alpha * (min(seconds, self.max_jump * old) - old)
+        self._counts[width] = self._counts.get(width, 0) + 1
         self._fit = None
 
     def clear(self) -> None:
         self._seconds.clear()
+        self._counts.clear()
         self._fit = None
 
     def _fitted(self) -> tuple[list[int], list[float]]:
         """Fitted once per change, not per estimate: a decision asks for 2·(K+1) estimates."""
         if self._fit is None:
             widths = sorted(self._seconds)
-            self._fit = widths, isotonic([self._seconds[w] for w in widths])
+            weights = [min(self._counts[w], self.max_weight) for w in widths]
+            self._fit = widths, isotonic([self._seconds[w] for w in widths], weights)
         return self._fit
 
     @property
@@ -164,69 +211,107 @@ class CostTable:
         return values[i - 1] + (values[i] - values[i - 1]) * (width - lo) / (hi - lo)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """A step's drafts: k for every decoding sequence, and `probe_k` (> k) for one of them
+    when the step probes (0 otherwise)."""
+
+    k: int
+    probe_k: int = 0
+
+
 @dataclass
 class DraftPolicy:
-    """Decides k per step from what the engine measured; `fixed` always answers max_k."""
+    """Decides k per step from what the engine measured; `fixed` always answers max_k.
+
+    Exploration is optimism under uncertainty: every `probe_every` decisions, the k the
+    batch would choose if each p_j were `z` standard errors higher (AcceptanceEstimate.
+    optimistic) is compared with the k chosen; when it is larger, one sequence drafts it
+    (the probe) and its verify teaches the positions nobody tried. A drafter, content or
+    batch size where even that does not pay is not probed at all: at a large batch, where
+    the known acceptance leaves drafts far from paying, the engine runs as if it had no
+    drafter until the counts fade (`AcceptanceEstimate.window`) and doubt returns. k = 0 is
+    never forever, and a drafter that never pays costs next to nothing."""
 
     max_k: int
     adaptive: bool = True
-    probe_every: int = 16  # decisions between probes while drafting pays
-    max_probe_every: int = 256  # the longest gap between probes, reached while none pays
+    probe_every: int = 16  # the fewest decisions from one probe to the next
     min_gain: float = 0.02
+    catch_up_horizon: int = 16  # steps a sequence's catch-up is spread over (fewer if it ends sooner)
     acceptance: AcceptanceEstimate = field(init=False)
     forward: CostTable = field(default_factory=CostTable)
     propose: CostTable = field(default_factory=CostTable)
-    _steps: int = 0
-    _probe_gap: int = 0  # decisions from one probe to the next (0: not started, probe_every)
-    _next_probe: int = 0  # the decision that probes
-    probing: bool = False  # the last decision was a probe (speculation.py asks one sequence only)
+    catch_up_per_row: float | None = None  # seconds, an EWMA (alpha of `propose`) over catching-up Proposes
+    _since_probe: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_k < 0 or self.probe_every < 1 or self.min_gain < 0 or self.catch_up_horizon < 1:
+            raise ValueError(f"max_k must be >= 0, probe_every >= 1, min_gain >= 0 and catch_up_horizon >= 1, "
+                             f"got {self.max_k}, {self.probe_every}, {self.min_gain}, {self.catch_up_horizon}")
         self.acceptance = AcceptanceEstimate(self.max_k)
 
     def new_epoch(self) -> None:
         """A new drafter (or the same one re-attached): its acceptance is learnt afresh."""
         self.acceptance.reset()
         self.propose.clear()
+        self.catch_up_per_row = None
 
-    def decide(self, num_seqs: int, base_tokens: int, max_k: int) -> int:
+    def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0) -> Decision:
         """k for this step's `num_seqs` decoding sequences; `base_tokens`: the step's query tokens
-        without drafts; `max_k`: the most drafts anyone may ask for now (≤ the policy's K)."""
+        without drafts; `max_k`: the most drafts anyone may ask for now (≤ the policy's K);
+        `catch_up_rows`: context rows the drafter would catch up on, each divided by the steps
+        its sequence may still draft (`amortized_rows`)."""
         max_k = min(max_k, self.max_k)
-        self.probing = False
         if not self.adaptive or max_k <= 0:
-            return max(max_k, 0)
-        self._steps += 1
+            return Decision(max(max_k, 0))
+        self.acceptance.age()
         if not (self.forward.known and self.propose.known):
-            return max_k  # nothing measured yet: speculate, which measures both
-        k = choose_num_drafts(self.acceptance.values, max_k, num_seqs, base_tokens,
-                              self.forward.estimate, self.propose.estimate, self.min_gain)
-        if not self._probe_gap:
-            self._probe_gap = self._next_probe = self.probe_every
-        if self._steps >= self._next_probe:
-            # Keep exploring: an estimate only learns from the k that runs, so now and then run a
-            # neighbour of the choice (one draft more, or none when at K). A drafter that got
-            # better, or a cost that fell, can then win back its k; k = 0 is not forever. While
-            # no draft pays, each probe that confirms it doubles the gap to the next: a probe
-            # costs a verify and a Propose, and a drafter that never pays must cost ~nothing.
-            self._probe_gap = min(2 * self._probe_gap, self.max_probe_every) if k == 0 else self.probe_every
-            self._next_probe = self._steps + self._probe_gap
-            k = k + 1 if k < max_k else 0
-            self.probing = True
-        return k
+            return Decision(max_k)  # nothing measured yet: speculate, which measures both
+        catch_up = catch_up_rows * (self.catch_up_per_row or 0.0)
+        k = self._best_k(self.acceptance.values, num_seqs, base_tokens, max_k, catch_up)
+        self._since_probe += 1
+        if self._since_probe < self.probe_every:
+            return Decision(k)
+        probe_k = self._best_k(self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
+        if probe_k <= k:
+            return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
+        self._since_probe = 0
+        return Decision(k, probe_k)
+
+    def _best_k(self, acceptance: list[float], num_seqs: int, base_tokens: int, max_k: int,
+                catch_up_seconds: float) -> int:
+        return choose_num_drafts(acceptance, max_k, num_seqs, base_tokens, self.forward.estimate,
+                                 self.propose.estimate, self.min_gain, catch_up_seconds)
+
+    def amortized_rows(self, rows_behind: int, steps_left: int) -> float:
+        """A sequence's catch-up rows charged to one step: spread over the steps it may still
+        draft, at most `catch_up_horizon` (one that ends in 2 steps repays it over 2)."""
+        return rows_behind / max(1, min(self.catch_up_horizon, steps_left))
 
     def forget_measurements(self) -> None:
         """Drop everything measured (after warmup, whose first calls pay one-time costs)."""
         self.acceptance.reset()
         self.forward.clear()
         self.propose.clear()
-        self._steps = self._probe_gap = self._next_probe = 0
+        self.catch_up_per_row = None
+        self._since_probe = 0
 
     def record_forward(self, query_tokens: int, seconds: float) -> None:
         self.forward.observe(query_tokens, seconds)
 
     def record_propose(self, draft_positions: int, seconds: float) -> None:
+        """A Propose whose drafting sequences were all caught up: the steady-state cost."""
         self.propose.observe(draft_positions, seconds)
+
+    def record_catch_up(self, draft_positions: int, rows: int, seconds: float) -> None:
+        """A Propose that also caught the drafter up on `rows` context rows: what it took over the
+        steady-state cost of its draft positions, per row."""
+        if rows <= 0 or seconds < 0:
+            return
+        steady = self.propose.estimate(draft_positions) if self.propose.known else 0.0
+        per_row = max(0.0, seconds - steady) / rows
+        old = self.catch_up_per_row
+        self.catch_up_per_row = per_row if old is None else old + self.propose.alpha * (per_row - old)
 
     def record_verify(self, num_draft: int, num_accepted: int) -> None:
         self.acceptance.observe(num_draft, num_accepted)

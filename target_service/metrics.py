@@ -89,10 +89,16 @@ class TargetMetrics:
         self.num_drafts_chosen = Histogram(
             "splitspec_spec_decode_num_drafts_chosen",
             "Drafts per sequence the speculative policy asked for, one observation per step with decoding "
-            "sequences the drafter follows (fixed policy: always K).", buckets=NUM_DRAFTS_BUCKETS, registry=r)
+            "sequences the drafter follows (fixed policy: always K); a probe's one sequence is counted in "
+            "splitspec_spec_decode_policy_probes.", buckets=NUM_DRAFTS_BUCKETS, registry=r)
         self.policy_zero_steps = Counter(
             "splitspec_spec_decode_policy_zero_draft_steps",
-            "Steps where the speculative policy asked for no drafts (they were not expected to pay).", registry=r)
+            "Steps where the speculative policy asked for no drafts (they were not expected to pay) and "
+            "probed nothing.", registry=r)
+        self.policy_probes = Counter(
+            "splitspec_spec_decode_policy_probes",
+            "Steps where the speculative policy asked one sequence for more drafts than the batch, to learn "
+            "the acceptance of positions it is unsure of.", registry=r)
         self.invalid_drafts = Counter("splitspec_spec_decode_invalid_drafts",
                                       "Drafts discarded as invalid (unknown sequence, out-of-vocabulary ids, too long).",
                                       registry=r)

@@ -21,7 +21,7 @@ import torch
 from common.pool_transport import sync_for_handoff
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import EngineRequest
-from target_service.draft_policy import DraftPolicy
+from target_service.draft_policy import Decision, DraftPolicy
 from target_service.drafter_link import DrafterLink, describe_rpc_error
 from target_service.handshake import SharedPool
 from target_service.metrics import TargetMetrics
@@ -126,9 +126,9 @@ class Speculator:
     _staged: StagedRows = field(default_factory=StagedRows)
     _probe_turn: int = 0
     _probe_seq: int | None = None
-    # Sequences whose pending update carries more context than one drafting step adds (a prefill
-    # chunk, or steps merged while none drafted): the drafter catches up on it in the next Propose
-    _backlog: set[int] = field(default_factory=set)
+    # Per sequence, the context tokens computed since it last drafted, outside its drafting steps
+    # (a prompt, steps without drafts): the drafter catches up on them when it next drafts
+    _behind: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -147,16 +147,22 @@ class Speculator:
         self._pending.clear()
         self._released.clear()
         self._staged.clear()
-        self._backlog.clear()
+        self._behind.clear()
 
     def follows(self, seq: Sequence) -> bool:
         return self.link.ready and seq.drafter_epoch == self.epoch
 
-    def num_drafts_for(self, request: EngineRequest) -> int:
-        if request.speculation.disable or not self.link.ready or self.link.facts is None:
+    def drafts_allowed(self) -> int:
+        """The most drafts any sequence may ask for: the server's K, capped by the drafter's."""
+        if not self.link.ready or self.link.facts is None:
             return 0
-        k = request.speculation.num_speculative_tokens or self.server_k
-        return min(k, self.server_k, self.link.facts.num_speculative_tokens)
+        return min(self.server_k, self.link.facts.num_speculative_tokens)
+
+    @staticmethod
+    def num_drafts_for(request: EngineRequest, allowed: int) -> int:
+        if request.speculation.disable:
+            return 0
+        return min(request.speculation.num_speculative_tokens or allowed, allowed)
 
     def lookahead(self, running: list[Sequence], metrics: TargetMetrics) -> dict[int, int]:
         """Draft slots to reserve for each decoding sequence the drafter follows.
@@ -170,23 +176,30 @@ class Speculator:
             if self.link.ready:
                 metrics.batch_disabled_steps.inc()
             return {}
+        allowed = self.drafts_allowed()
+        if not allowed:
+            return {}
         limits = {}
+        catch_up_rows = 0.0
+        epoch = self.epoch  # follows(seq), once per step rather than per sequence
         for seq in running:
-            if seq.num_uncomputed_tokens != 1 or not self.follows(seq):
+            if seq.num_uncomputed_tokens != 1 or seq.drafter_epoch != epoch:
                 continue
-            k = min(self.num_drafts_for(seq.request), self.max_model_len - seq.num_tokens,
-                    seq.request.stop.max_tokens - seq.num_output_tokens - 1)
+            tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
+            k = min(self.num_drafts_for(seq.request, allowed), self.max_model_len - seq.num_tokens, tokens_left - 1)
             if k > 0:
                 limits[seq.seq_id] = k
+                catch_up_rows += self.policy.amortized_rows(self._behind.get(seq.seq_id, 0), tokens_left)
         if not limits:
             return {}
-        k = self._choose_k(running, limits, metrics)
-        if k > 0 and self.policy.probing and len(limits) > 1:
-            # A probe asks one sequence: acceptance is learnt per draft position, and a probe
-            # of the whole batch would pay a wide verify and every sequence's catch-up.
+        decision = self._decide(running, limits, catch_up_rows, metrics)
+        drafts = {seq_id: min(limit, decision.k) for seq_id, limit in limits.items()}
+        if decision.probe_k:
+            # A probe asks one sequence for more: acceptance is learnt per draft position, and a
+            # probe of the whole batch would pay a wide verify and every sequence's catch-up.
             seq_id = self._probe_sequence(limits)
-            limits = {seq_id: limits[seq_id]}
-        return {seq_id: min(limit, k) for seq_id, limit in limits.items() if k > 0}
+            drafts[seq_id] = min(limits[seq_id], decision.probe_k)
+        return {seq_id: k for seq_id, k in drafts.items() if k > 0}
 
     def _probe_sequence(self, limits: dict[int, int]) -> int:
         """The sequence probed last while it still runs, else the next in turn: a drafter
@@ -198,32 +211,33 @@ class Speculator:
             self._probe_seq = sorted(limits)[self._probe_turn % len(limits)]
         return self._probe_seq
 
-    def _choose_k(self, running: list[Sequence], limits: dict[int, int], metrics: TargetMetrics) -> int:
+    def _decide(self, running: list[Sequence], limits: dict[int, int], catch_up_rows: float,
+                metrics: TargetMetrics) -> Decision:
         base = sum(seq.num_uncomputed_tokens for seq in running)  # decodes 1 each, prefills their rest
         if self.max_num_batched_tokens is not None:
             base = min(base, self.max_num_batched_tokens)
-        k = self.policy.decide(len(limits), base, max(limits.values()))
-        metrics.num_drafts_chosen.observe(k)
-        if k == 0:
+        decision = self.policy.decide(len(limits), base, max(limits.values()), catch_up_rows)
+        metrics.num_drafts_chosen.observe(decision.k)
+        if decision.probe_k:
+            metrics.policy_probes.inc()
+        elif decision.k == 0:
             metrics.policy_zero_steps.inc()
-        return k
+        return decision
 
     def propose(self, scheduled: list[ScheduledSeq], metrics: TargetMetrics) -> dict[int, list[int]]:
         """One batched Propose: pending updates, releases, and draft requests."""
         if not self.link.ready:
             return {}
-        updates = dict(self._pending)
-        for s in scheduled:
-            if s.num_lookahead_tokens and self.follows(s.seq):
-                update = updates.get(s.seq.seq_id) or self._empty_update(s.seq)
-                update.num_speculative_tokens = s.num_lookahead_tokens
-                updates[s.seq.seq_id] = update
-        if not updates and not self._released:
-            return {}
-        if self._may_defer(scheduled):
-            if self.shared.layout.staging is not None:
+        asks = [s for s in scheduled if s.num_lookahead_tokens and self.follows(s.seq)]
+        if not asks and (not self._pending and not self._released or self._may_defer(scheduled)):
+            if self._pending and self.shared.layout.staging is not None:
                 self._staged.hold(self.shared.pool.staging())
             return {}
+        updates = dict(self._pending)
+        for s in asks:
+            update = updates.get(s.seq.seq_id) or self._empty_update(s.seq)
+            update.num_speculative_tokens = s.num_lookahead_tokens
+            updates[s.seq.seq_id] = update
         if self.shared.layout.staging is not None:
             self._staged.restage(self.shared.pool.staging(), updates)
         for s in scheduled:  # pages added by this step's scheduling
@@ -232,10 +246,10 @@ class Speculator:
         request = dpb.ProposeRequest(target_id=self.shared.layout.target_id, epoch=self.epoch,
                                      sequences=list(updates.values()), released_seq_ids=self._released)
         drafting = {u.seq_id for u in request.sequences if u.num_speculative_tokens}
-        catching_up = not self._backlog.isdisjoint(drafting)
-        backlog = self._backlog - drafting  # a drafter may put context off until the sequence drafts
-        self.reset()
-        self._backlog = backlog
+        rows_behind = sum(self._behind.pop(seq_id, 0) for seq_id in drafting)  # a drafter may put context
+        self._pending.clear()  # off until the sequence drafts: the others stay behind
+        self._released.clear()
+        self._staged.clear()
         sync_for_handoff(self.device)  # the drafter reads what this process's last step wrote
         started = time.monotonic()
         try:
@@ -246,11 +260,15 @@ class Speculator:
         elapsed = time.monotonic() - started
         metrics.propose_latency.observe(elapsed)
         asked = [u.num_speculative_tokens for u in request.sequences if u.num_speculative_tokens]
-        if asked and not catching_up:
+        if asked:
             # Priced by draft positions, n·(k+1), in steady state: what drafting every step costs. A
             # call that also catches the drafter up (a prompt, or steps that asked for no drafts) costs
-            # more once; priced into k it would make the first drafts, and every probe, look too dear.
-            self.policy.record_propose(sum(asked) + len(asked), elapsed)
+            # more once: that is learnt per row apart, and charged only to steps that would catch up.
+            positions = sum(asked) + len(asked)
+            if rows_behind:
+                self.policy.record_catch_up(positions, rows_behind, elapsed)
+            else:
+                self.policy.record_propose(positions, elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
     def _may_defer(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -259,7 +277,7 @@ class Speculator:
         drafter that reads hidden states (DFlash) the rows they point at are held meanwhile, as long
         as what is held, plus this step's rows, still fits the staging buffer when packed; past
         that, a context-only Propose goes now. Releases pile up at most MAX_DEFERRED_RELEASES."""
-        if len(self._released) >= MAX_DEFERRED_RELEASES or any(s.num_lookahead_tokens for s in scheduled):
+        if len(self._released) >= MAX_DEFERRED_RELEASES:
             return False
         staging = self.shared.layout.staging
         if staging is None:
@@ -310,15 +328,18 @@ class Speculator:
         """After a forward: queue each followed sequence's new context for the next Propose."""
         if not self.link.ready:
             return
+        epoch = self.epoch
         for s, start, row in zip(scheduled, computed_before, row_starts):
             seq = s.seq
-            if start == 0 and not seq.is_finished:
-                seq.drafter_epoch, seq.drafter_pages_sent = self.epoch, 0  # seen from its start
-            if not self.follows(seq) or seq.is_finished:
+            if seq.is_finished:
+                continue
+            if start == 0:
+                seq.drafter_epoch, seq.drafter_pages_sent = epoch, 0  # seen from its start
+            elif seq.drafter_epoch != epoch:
                 continue
             count = seq.num_computed_tokens - start
-            if seq.seq_id in self._pending or count > len(drafts.get(seq.seq_id, ())) + 1:
-                self._backlog.add(seq.seq_id)
+            if seq.seq_id not in drafts:  # a drafting step's own tokens are the steady state
+                self._behind[seq.seq_id] = self._behind.get(seq.seq_id, 0) + count
             if (update := self._pending.get(seq.seq_id)) is not None:  # deferred, not yet sent: extend it
                 update.context_token_ids.extend(seq.token_ids[start : start + count])
                 update.last_token_id = seq.token_ids[seq.num_computed_tokens]
@@ -339,4 +360,4 @@ class Speculator:
             self._released.append(seq.seq_id)
         self._pending.pop(seq.seq_id, None)
         self._staged.drop(seq.seq_id)
-        self._backlog.discard(seq.seq_id)
+        self._behind.pop(seq.seq_id, None)
