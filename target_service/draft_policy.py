@@ -224,18 +224,23 @@ class Decision:
 class DraftPolicy:
     """Decides k per step from what the engine measured; `fixed` always answers max_k.
 
-    Exploration is optimism under uncertainty: every `probe_every` decisions, the k the
-    batch would choose if each p_j were `z` standard errors higher (AcceptanceEstimate.
-    optimistic) is compared with the k chosen; when it is larger, one sequence drafts it
-    (the probe) and its verify teaches the positions nobody tried. A drafter, content or
-    batch size where even that does not pay is not probed at all: at a large batch, where
-    the known acceptance leaves drafts far from paying, the engine runs as if it had no
-    drafter until the counts fade (`AcceptanceEstimate.window`) and doubt returns. k = 0 is
-    never forever, and a drafter that never pays costs next to nothing."""
+    Exploration is optimism under uncertainty: when a probe is due, the k the batch would
+    choose if each p_j were `z` standard errors higher (AcceptanceEstimate.optimistic) is
+    compared with the k chosen; when it is larger, one sequence drafts it (the probe) and
+    its verify teaches the positions nobody tried. A drafter, content or batch size where
+    even that does not pay is not probed at all: at a large batch, where the known
+    acceptance leaves drafts far from paying, the engine runs as if it had no drafter until
+    the counts fade (`AcceptanceEstimate.window`) and doubt returns. Probes are due every
+    `probe_every` decisions while drafts pay; while none do, each probe doubles the gap to
+    the next, up to `max_probe_every` (positions past a rejected first draft are never
+    tried, so their doubt never shrinks: without the backoff a useless drafter would be
+    probed every few steps forever). k = 0 is never forever, and a drafter that never pays
+    costs next to nothing."""
 
     max_k: int
     adaptive: bool = True
-    probe_every: int = 16  # the fewest decisions from one probe to the next
+    probe_every: int = 16  # decisions from one probe to the next while drafts pay
+    max_probe_every: int = 256  # the longest gap between probes, reached while none pay
     min_gain: float = 0.02
     catch_up_horizon: int = 16  # steps a sequence's catch-up is spread over (fewer if it ends sooner)
     acceptance: AcceptanceEstimate = field(init=False)
@@ -243,11 +248,14 @@ class DraftPolicy:
     propose: CostTable = field(default_factory=CostTable)
     catch_up_per_row: float | None = None  # seconds, an EWMA (alpha of `propose`) over catching-up Proposes
     _since_probe: int = 0
+    _probe_gap: int = 0  # decisions from one probe to the next (0: not started, probe_every)
 
     def __post_init__(self) -> None:
-        if self.max_k < 0 or self.probe_every < 1 or self.min_gain < 0 or self.catch_up_horizon < 1:
-            raise ValueError(f"max_k must be >= 0, probe_every >= 1, min_gain >= 0 and catch_up_horizon >= 1, "
-                             f"got {self.max_k}, {self.probe_every}, {self.min_gain}, {self.catch_up_horizon}")
+        if (self.max_k < 0 or not 1 <= self.probe_every <= self.max_probe_every or self.min_gain < 0
+                or self.catch_up_horizon < 1):
+            raise ValueError(f"max_k must be >= 0, 1 <= probe_every <= max_probe_every, min_gain >= 0 and "
+                             f"catch_up_horizon >= 1, got {self.max_k}, {self.probe_every}, {self.max_probe_every}, "
+                             f"{self.min_gain}, {self.catch_up_horizon}")
         self.acceptance = AcceptanceEstimate(self.max_k)
 
     def new_epoch(self) -> None:
@@ -270,12 +278,14 @@ class DraftPolicy:
         catch_up = catch_up_rows * (self.catch_up_per_row or 0.0)
         k = self._best_k(self.acceptance.values, num_seqs, base_tokens, max_k, catch_up)
         self._since_probe += 1
-        if self._since_probe < self.probe_every:
+        if self._since_probe < (self._probe_gap or self.probe_every):
             return Decision(k)
         probe_k = self._best_k(self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
         if probe_k <= k:
             return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
         self._since_probe = 0
+        gap = self._probe_gap or self.probe_every
+        self._probe_gap = min(2 * gap, self.max_probe_every) if k == 0 else self.probe_every
         return Decision(k, probe_k)
 
     def _best_k(self, acceptance: list[float], num_seqs: int, base_tokens: int, max_k: int,
@@ -294,7 +304,7 @@ class DraftPolicy:
         self.forward.clear()
         self.propose.clear()
         self.catch_up_per_row = None
-        self._since_probe = 0
+        self._since_probe = self._probe_gap = 0
 
     def record_forward(self, query_tokens: int, seconds: float) -> None:
         self.forward.observe(query_tokens, seconds)

@@ -18,7 +18,7 @@ from draft_service.drafters import DrafterConfig
 from draft_service.local import LocalDrafterStub
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams
 from target_service.config import EngineConfig
-from target_service.draft_policy import CostTable, DraftPolicy
+from target_service.draft_policy import CostTable, Decision, DraftPolicy
 from target_service.engine import build_engine_core
 from tests.tiny_models import PROMPTS, REFERENCE_DFLASH_K, TARGET_LAYERS, make_qwen3, make_reference_dflash
 
@@ -98,6 +98,10 @@ def _zero_steps(core) -> float:
     return core.metrics.registry.get_sample_value("splitspec_spec_decode_policy_zero_draft_steps_total")
 
 
+def _probes(core) -> float:
+    return core.metrics.registry.get_sample_value("splitspec_spec_decode_policy_probes_total")
+
+
 def test_drafts_that_are_never_accepted_stop_being_asked_for(checkpoints, tmp_path):
     target, _, other = checkpoints
     core = _core(target, other, tmp_path)
@@ -107,11 +111,12 @@ def test_drafts_that_are_never_accepted_stop_being_asked_for(checkpoints, tmp_pa
     decided = [k for k in chosen if k is not None]
     assert usage.draft_tokens > 0 and usage.accepted_tokens <= usage.draft_tokens // 10, usage
     # at first every draft is asked for; once the rejections are learnt, only the probes draft
+    # (the histogram counts the batch's k, 0 on a probe step; the probe counter counts probes)
     assert decided[0] == K
     late = decided[len(decided) // 2 :]
-    assert late.count(0) >= len(late) - len(late) // PROBE_EVERY - 1, late
-    assert all(k <= 1 for k in late), late  # a probe asks for one draft
-    assert _zero_steps(core) == chosen.count(0) > 0
+    assert late.count(0) >= len(late) - 2 and all(k <= 1 for k in late), late
+    assert 0 < _probes(core) <= len(decided) // PROBE_EVERY
+    assert _zero_steps(core) + _probes(core) == chosen.count(0)
     core.close()
 
 
@@ -124,11 +129,12 @@ def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(
     before = core.link.num_proposes
     _, chosen, _ = _generate(core, PROMPTS[2])
     decided = [k for k in chosen if k is not None]
-    assert core.link.num_proposes - before <= len(chosen) - decided.count(0)  # none for a k = 0 step
+    asking = len(chosen) - decided.count(0) + _probes(core)  # a probe step's histogram k is the batch's 0
+    assert core.link.num_proposes - before <= asking  # none for a step that asks for no drafts
     core.close()
 
     core = _core(target, same, tmp_path)
-    core.speculator.policy.probe_every = 2  # every other decision at K is a k = 0 probe: context is merged often
+    core.speculator.policy = ScriptedPolicy(K, [K, 0, 0, K, 0, K, 0, 0, 0, 2] * 4)  # context merged often
     reference, _, _ = _generate(core, PROMPTS[3], speculate=False)
     tokens, chosen, usage = _generate(core, PROMPTS[3])
     assert tokens == reference
@@ -145,9 +151,10 @@ def test_drafts_that_are_always_accepted_keep_being_asked_for(checkpoints, tmp_p
     assert tokens == reference
     assert usage.accepted_tokens == usage.draft_tokens > 0
     decided = [k for k in chosen if k is not None]
-    # every decision asks for all K drafts, except the probes of k = 0 (at K, the probe is "none")
-    # and the last steps, where max_tokens leaves room for fewer
-    assert decided.count(K) >= len(decided) - len(decided) // PROBE_EVERY - 2, decided
+    # every decision asks for all K drafts (at K there is nothing wider to probe), except the
+    # last steps, where max_tokens leaves room for fewer
+    assert decided.count(K) >= len(decided) - 2, decided
+    assert not _probes(core)
     core.close()
 
 
@@ -159,8 +166,10 @@ class ScriptedPolicy(DraftPolicy):
         super().__init__(max_k)
         self._script = iter(script)
 
-    def decide(self, num_seqs: int, base_tokens: int, max_k: int) -> int:
-        return min(next(self._script, self.max_k), max_k)
+    def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0) -> Decision:
+        step = next(self._script, self.max_k)
+        k, probe_k = step if isinstance(step, tuple) else (step, 0)
+        return Decision(min(k, max_k), min(probe_k, max_k))
 
 
 def _dflash_core(checkpoints_dflash, shm_dir, budget: int, script: list[int], defer: bool):
@@ -235,30 +244,51 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(chec
 
 
 def test_a_probe_asks_one_sequence_of_the_batch(checkpoints, tmp_path):
-    """While no draft pays, a probe asks one sequence for its draft, not the batch (the whole
+    """While no draft pays, a probe asks one sequence for its drafts, not the batch (the whole
     batch would pay a wider verify and every sequence's catch-up for one lesson), and the same
-    one while it runs: the drafter then catches up only what came since the last probe."""
+    one while it runs: the drafter then catches up only what came since the last probe. While
+    drafts pay, a probe asks one sequence for more and the others keep their k."""
     target, _, other = checkpoints
     core = _core(target, other, tmp_path)
-    reserved: list[tuple[dict[int, int], bool]] = []
-    lookahead = core.speculator.lookahead
+    reserved: list[tuple[dict[int, int], Decision]] = []
+    lookahead, decide = core.speculator.lookahead, core.speculator.policy.decide
+    decisions: list[Decision] = []
+
+    def recording_decide(*args):
+        decisions.append(decision := decide(*args))
+        return decision
 
     def recording_lookahead(running, metrics):
         answer = lookahead(running, metrics)
         if answer:
-            reserved.append((answer, core.speculator.policy.probing))
+            reserved.append((answer, decisions[-1]))
         return answer
 
+    core.speculator.policy.decide = recording_decide
     core.speculator.lookahead = recording_lookahead
     for i, prompt in enumerate(PROMPTS[:4]):
         core.add(EngineRequest(f"batch-{i}", tuple(core.tokenizer.encode(prompt)),
                                stop=StopParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
     while core.has_work():
         core.step()
-    assert len(reserved[0][0]) == 4 and not reserved[0][1]  # at first every sequence drafts (nothing learnt)
-    probes = [answer for answer, probing in reserved if probing]
+    assert len(reserved[0][0]) == 4 and not reserved[0][1].probe_k  # at first every sequence drafts
+    probes = [answer for answer, decision in reserved if decision.probe_k and not decision.k]
     assert len(probes) >= 2 and all(len(answer) == 1 for answer in probes), reserved
     assert len({next(iter(answer)) for answer in probes}) == 1  # all four run to the end: one is probed
+    core.close()
+
+    core = _core(target, other, tmp_path)
+    core.speculator.policy = ScriptedPolicy(K, [(1, 3)] * 8)
+    core.speculator.lookahead = lambda running, metrics: reserved.append(answer := lookahead(running, metrics)) or answer
+    lookahead = core.speculator.__class__.lookahead.__get__(core.speculator)
+    reserved = []
+    for i, prompt in enumerate(PROMPTS[:3]):
+        core.add(EngineRequest(f"k-{i}", tuple(core.tokenizer.encode(prompt)),
+                               stop=StopParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+    while core.has_work():
+        core.step()
+    batch = next(answer for answer in reserved if len(answer) == 3)
+    assert sorted(batch.values()) == [1, 1, 3]  # one sequence probes 3; the others draft their 1
     core.close()
 
 
@@ -266,21 +296,47 @@ class RecordingPolicy(ScriptedPolicy):
     def __init__(self, max_k: int, script: list[int]) -> None:
         super().__init__(max_k, script)
         self.proposes: list[int] = []
+        self.catch_ups: list[tuple[int, int]] = []
 
     def record_propose(self, draft_positions: int, seconds: float) -> None:
         self.proposes.append(draft_positions)
 
+    def record_catch_up(self, draft_positions: int, rows: int, seconds: float) -> None:
+        self.catch_ups.append((draft_positions, rows))
 
-def test_propose_costs_are_learnt_from_steady_drafting_not_from_catching_up(checkpoints, tmp_path):
+
+def test_propose_costs_are_learnt_from_steady_drafting_and_catching_up_per_row(checkpoints, tmp_path):
     """The Propose that follows a prompt, or steps that asked for no drafts, also catches the
     drafter up on their context: dearer once. Priced into k, it made the first drafts and every
-    probe look too dear to ask for again; only Proposes of steady drafting are learnt from."""
+    probe look too dear to ask for again; it is learnt apart, per row caught up, and only
+    Proposes of steady drafting price k."""
     target, same, _ = checkpoints
     core = _core(target, same, tmp_path)
     policy = RecordingPolicy(K, [K, K, 0, 0, 0, 2, 3, 0, 1, 1])
     core.speculator.policy = policy
+    prompt = core.tokenizer.encode(PROMPTS[1])
     _generate(core, PROMPTS[1])
     # K after the prompt: catching up; K: steady; 0, 0, 0: no call; 2 after them: catching up;
     # 3: steady; 0: no call; 1: catching up (two steps' context); 1: steady; then K, steady
     assert policy.proposes[:4] == [K + 1, 3 + 1, 1 + 1, K + 1], policy.proposes
+    # the rows caught up: the prompt; the three steps without drafts; the one step without
+    assert policy.catch_ups == [(K + 1, len(prompt)), (2 + 1, 3), (1 + 1, 1)], policy.catch_ups
+    core.close()
+
+
+def test_a_batch_far_behind_does_not_resume_drafting(checkpoints, tmp_path):
+    """Sequences that went long without drafts would make the drafter catch up on all their
+    context at once; with that cost learnt per row, the policy keeps them at k = 0 where the
+    same acceptance, caught up, would draft."""
+    target, same, _ = checkpoints
+    core = _core(target, same, tmp_path)
+    policy = core.speculator.policy
+    for _ in range(50):
+        policy.record_verify(K, K)
+    policy.catch_up_per_row = 10 * DECODE  # ten decodes a row: resuming never pays
+    assert policy.decide(1, 1, K, catch_up_rows=0.0).k == K  # caught up, drafts pay
+    reference, chosen_ref, _ = _generate(core, PROMPTS[2], speculate=False)
+    tokens, chosen, usage = _generate(core, PROMPTS[2])  # its prompt is context the drafter has not seen
+    assert tokens == reference
+    assert usage.draft_tokens == 0 and not _probes(core), chosen
     core.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from target_service.config import EngineConfig
-from target_service.draft_policy import (AcceptanceEstimate, CostTable, DraftPolicy, choose_num_drafts,
+from target_service.draft_policy import (AcceptanceEstimate, CostTable, Decision, DraftPolicy, choose_num_drafts,
                                          expected_tokens, isotonic)
 
 K = 8
@@ -69,13 +69,41 @@ def test_the_choice_never_exceeds_max_k():
 
 
 def test_acceptance_estimate_learns_only_the_positions_it_tried():
-    est = AcceptanceEstimate(4, alpha=0.5, prior=0.6)
+    est = AcceptanceEstimate(4, prior=0.6, strength=2.0)
+    assert est.values == pytest.approx([0.6] * 4)  # nothing seen: the prior
     est.observe(num_draft=4, num_accepted=1)  # p1 hit, p2 miss, p3 and p4 untried
-    assert est.values == pytest.approx([0.8, 0.3, 0.6, 0.6])
-    est.observe(num_draft=4, num_accepted=4)  # all hit
-    assert est.values == pytest.approx([0.9, 0.65, 0.8, 0.8])
+    assert (est.trials(1), est.trials(2), est.trials(3)) == (1.0, 1.0, 0.0)
+    pooled = (1 + 2 * 0.6) / (2 + 2)  # one hit in two trials, shrunk toward the prior
+    assert est.values == pytest.approx([(1 + 2 * pooled) / 3, (0 + 2 * pooled) / 3, pooled, pooled])
+    for _ in range(200):
+        est.observe(num_draft=4, num_accepted=4)  # all hit, many times: the counts outweigh the prior
+    assert min(est.values) > 0.97
     est.reset()
-    assert est.values == [0.6] * 4
+    assert est.values == pytest.approx([0.6] * 4)
+
+
+def test_acceptance_counts_fade_so_doubt_returns():
+    est = AcceptanceEstimate(2, window=10.0)
+    for _ in range(100):
+        est.observe(num_draft=2, num_accepted=0)  # position 1 rejected every time; position 2 never tried
+    sure = est.optimistic()
+    assert est.values[0] < 0.05 and sure[0] - est.values[0] < 0.06  # tried often: a tight bound
+    assert sure[1] - est.values[1] > 0.3  # never tried: wide open
+    for _ in range(30):
+        est.age()  # 30 decisions with nothing verified: e^-3 of the counts remain
+    assert est.trials(1) == pytest.approx(100 * 0.9 ** 30)
+    assert est.optimistic()[0] > sure[0] + 0.1  # the old lesson is now in doubt: worth a probe again
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        AcceptanceEstimate(4, window=0.5)
+    with pytest.raises(ValueError, match="1 <= probe_every <= max_probe_every"):
+        DraftPolicy(4, probe_every=0)
+    with pytest.raises(ValueError, match="1 <= probe_every <= max_probe_every"):
+        DraftPolicy(4, probe_every=64, max_probe_every=32)
+    with pytest.raises(ValueError, match="catch_up_horizon >= 1"):
+        DraftPolicy(4, catch_up_horizon=0)
 
 
 def test_cost_table_is_monotone_interpolated_and_extrapolated():
@@ -104,8 +132,28 @@ def test_one_slow_outlier_does_not_make_every_wider_step_look_as_slow():
     assert isotonic([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
 
 
-def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: bool = True) -> DraftPolicy:
-    policy = DraftPolicy(K, adaptive=adaptive, probe_every=4)
+def test_a_width_measured_once_yields_to_widths_measured_all_along():
+    table = CostTable()
+    table.observe(2, 0.0072)  # a probe's width, measured once (its first call is slow)
+    for _ in range(20):
+        for width in (7, 8, 9):
+            table.observe(width, 0.0048)
+    # unweighted pooling made widths 2..9 all 0.0054; weighted, the verifies keep their cost
+    assert table.estimate(9) == pytest.approx((0.0072 + 8 * 0.0048 * 3) / 25)
+    assert table.estimate(9) < 0.0050
+    assert isotonic([3.0, 1.0], [1.0, 3.0]) == [1.5, 1.5]
+
+
+def test_a_stall_moves_a_width_s_estimate_by_at_most_max_jump():
+    table = CostTable(alpha=0.5, max_jump=3.0)
+    table.observe(1, 0.004)
+    table.observe(1, 0.180)  # a 180 ms stall of a 4 ms decode counts as 12 ms
+    assert table.estimate(1) == pytest.approx(0.004 + 0.5 * (0.012 - 0.004))
+
+
+def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: bool = True,
+                    probe_every: int = 4) -> DraftPolicy:
+    policy = DraftPolicy(K, adaptive=adaptive, probe_every=probe_every)
     for tokens in range(1, K + 2):
         policy.record_forward(tokens, DECODE + forward_per_token * (tokens - 1))
     for width in range(1, K + 2):
@@ -113,53 +161,93 @@ def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: 
     return policy
 
 
-def probe_positions(choices: list[int], usual: int) -> list[int]:
-    return [i for i, k in enumerate(choices) if k != usual]
+def run(policy: DraftPolicy, steps: int, accepted: int | None = None, num_seqs: int = 1) -> list[Decision]:
+    """`steps` decisions; every sequence that drafts has `accepted` of its drafts accepted."""
+    decisions = []
+    for _ in range(steps):
+        decision = policy.decide(num_seqs, num_seqs, K)
+        decisions.append(decision)
+        drafted = [decision.k] * num_seqs
+        if decision.probe_k:
+            drafted[0] = decision.probe_k
+        for k in drafted:
+            if k and accepted is not None:
+                policy.record_verify(k, min(accepted, k))
+    return decisions
 
 
 def test_policy_stops_asking_after_rejections_and_probes_ever_more_rarely():
-    policy = measured_policy(0.05 * DECODE, 0.001)
+    policy = measured_policy(0.05 * DECODE, 0.001, probe_every=4)
     policy.max_probe_every = 32
-    assert policy.decide(1, 1, K) > 0  # the prior (0.6 per position) says drafts pay here
-    for _ in range(60):
-        policy.record_verify(K, 0)  # every first draft rejected
-    choices = [policy.decide(1, 1, K) for _ in range(200)]
-    probes = probe_positions(choices, 0)
-    assert {choices[i] for i in probes} == {1}  # a probe asks for one draft
+    assert policy.decide(1, 1, K).k > 0  # the prior (0.6 per position) says drafts pay here
+    decisions = run(policy, 400, accepted=0)  # every first draft rejected
+    late = decisions[20:]
+    assert {d.k for d in late} == {0}
+    probes = [i for i, d in enumerate(decisions) if d.probe_k]
     # each probe that finds drafts still do not pay doubles the gap, up to max_probe_every
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[:3] == [8, 16, 32] and set(gaps[3:]) == {32}, probes
+    assert gaps[-5:] == [32] * 5 and gaps == sorted(gaps), probes
+
+
+def test_a_probe_asks_for_the_k_an_optimistic_view_would_choose():
+    policy = measured_policy(0.02 * DECODE, 0.0005, probe_every=1)
+    for _ in range(10):
+        policy.record_verify(K, 1)  # p_1 certain, p_2 rejected; positions past 2 never tried
+    decision = policy.decide(1, 1, K)
+    assert decision.probe_k > 2  # the untried positions are in doubt: the probe reaches past them
+
+
+def test_no_probe_where_even_the_optimistic_view_would_not_pay():
+    """A batch where a verify token costs as much as a decode: no acceptance could pay, so the
+    policy never probes (a probe would cost a wider verify and a catch-up for nothing)."""
+    policy = DraftPolicy(K, probe_every=1)
+    for tokens in (16, 32, 64, 144):
+        policy.record_forward(tokens, DECODE * tokens / 16 * 1.6)
+    policy.record_propose(16 * (K + 1), 0.004)
+    for _ in range(50):
+        policy.record_verify(K, 2)
+    assert run(policy, 100, accepted=2, num_seqs=16) == [Decision(0)] * 100
 
 
 def test_policy_recovers_when_the_drafter_gets_good_again():
     policy = measured_policy(0.05 * DECODE, 0.001)
-    for _ in range(60):
-        policy.record_verify(K, 0)
-    assert [policy.decide(1, 1, K) for _ in range(40)].count(0) == 37  # probes after 4, 8, 16 decisions
-    for _ in range(60):  # the probes' drafts are accepted from now on
-        policy.record_verify(K, K)
-    choices = [policy.decide(1, 1, K) for _ in range(40)]
-    assert choices.count(K) >= 30, choices
-    # drafting pays again: probes (of k = 0, at K) come every probe_every decisions again
-    tail = probe_positions(choices[choices.index(K):], K)
-    assert all(b - a == 4 for a, b in zip(tail[1:], tail[2:])), choices
+    run(policy, 200, accepted=0)
+    assert policy.decide(1, 1, K).k == 0
+    decisions = run(policy, 200, accepted=K)  # the probes' drafts are accepted from now on
+    assert [d.k for d in decisions[-50:]] == [K] * 50, decisions
+    assert not any(d.probe_k for d in decisions[-50:])  # at K: nothing wider to probe
+
+
+def test_catching_up_is_learnt_per_row_and_priced_into_resuming_drafts():
+    policy = measured_policy(0.02 * DECODE, 0.001)
+    for _ in range(50):
+        policy.record_verify(K, 3)
+    assert policy.decide(1, 1, K).k > 0
+    policy.record_catch_up(K + 1, rows=200, seconds=0.001 + 200 * 0.0001)  # 0.1 ms a row over steady
+    assert policy.catch_up_per_row == pytest.approx(0.0001)
+    # 200 rows behind, the sequence drafting 16 more steps at most: 1.25 ms a step of catch-up
+    assert policy.amortized_rows(200, 1000) == pytest.approx(12.5)
+    assert policy.amortized_rows(200, 2) == pytest.approx(100)  # ending soon: repaid over 2 steps
+    assert policy.decide(1, 1, K, catch_up_rows=12.5).k > 0  # worth it
+    assert policy.decide(1, 1, K, catch_up_rows=400.0).k == 0  # 40 ms for a few tokens: not
 
 
 def test_policy_asks_for_k_before_anything_is_measured_and_fixed_always_asks_for_k():
-    assert DraftPolicy(K).decide(1, 1, K) == K
+    assert DraftPolicy(K).decide(1, 1, K) == Decision(K)
     fixed = measured_policy(10 * DECODE, 1.0, adaptive=False)
     for _ in range(60):
         fixed.record_verify(K, 0)
-    assert [fixed.decide(1, 1, K) for _ in range(8)] == [K] * 8
-    assert fixed.decide(1, 1, 3) == 3  # the sequences' own limit still caps it
+    assert [fixed.decide(1, 1, K) for _ in range(8)] == [Decision(K)] * 8
+    assert fixed.decide(1, 1, 3) == Decision(3)  # the sequences' own limit still caps it
 
 
 def test_forgetting_measurements_returns_to_the_start():
     policy = measured_policy(0.05 * DECODE, 0.001)
-    for _ in range(60):
-        policy.record_verify(K, 0)
+    run(policy, 100, accepted=0)
+    policy.record_catch_up(K + 1, 100, 0.5)
     policy.forget_measurements()
-    assert policy.decide(1, 1, K) == K
+    assert policy.catch_up_per_row is None
+    assert policy.decide(1, 1, K) == Decision(K)
 
 
 def test_the_policy_name_is_validated_in_the_config():
@@ -179,8 +267,8 @@ def test_widths_far_past_the_measured_ones_are_not_extrapolated():
     for _ in range(60):
         policy.record_verify(K, K)  # and every draft is accepted
     assert policy.forward.estimate(2 * (K + 1)) < float("inf") == policy.forward.estimate(2 * (K + 1) + 1)
-    assert policy.decide(1, 1, K) == K
-    assert policy.decide(8, 8, K) == 1  # width 16: within reach of the measured 9
+    assert policy.decide(1, 1, K).k == K
+    assert policy.decide(8, 8, K).k == 1  # width 16: within reach of the measured 9
     policy.record_forward(16, DECODE * 1.1)
     policy.record_propose(16, 0.0002)
-    assert policy.decide(8, 8, K) == 3  # width 32 now within reach
+    assert policy.decide(8, 8, K).k == 3  # width 32 now within reach
