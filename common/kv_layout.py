@@ -31,6 +31,8 @@ CACHE_DTYPE_CHOICES = ("auto", "fp8", *KV_DTYPES)
 LAYOUT_NOT_RESOLVED = "KV cache layout has not been resolved yet"
 REGION_ALIGNMENT = 256  # bytes; keeps every layer region aligned for vectorized kernels
 TRAILER_BYTES = REGION_ALIGNMENT
+CHANNEL_HEADER_BYTES = 64  # the Propose channel's header words (common/shm_channel.py)
+DEFAULT_CHANNEL_CAPACITY = 1 << 20  # bytes each way: a Propose of a 2048-token prefill chunk is ~12 KB
 
 
 class LayoutNotResolvedError(RuntimeError):
@@ -108,6 +110,18 @@ class StagingSpec:
 
 
 @dataclass(frozen=True)
+class ChannelSpec:
+    """The Propose channel's region (common/shm_channel.py): a header and `capacity` bytes each way."""
+
+    capacity: int
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return CHANNEL_HEADER_BYTES + 2 * self.capacity
+
+
+@dataclass(frozen=True)
 class KVLayout:
     order: Order
     page_size: int
@@ -118,6 +132,7 @@ class KVLayout:
     target_id: str = ""
     epoch: int = 0
     total_bytes: int = 0
+    channel: ChannelSpec | None = None  # a CPU pool's Propose channel, when the target offers one
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -185,8 +200,9 @@ def build_layout(
     staging: StagingSpec | None = None,
     target_id: str = "",
     epoch: int = 0,
+    channel: ChannelSpec | None = None,
 ) -> KVLayout:
-    """Place every layer region and the staging buffer in one storage, aligned."""
+    """Place every layer region, the staging buffer and the channel in one storage, aligned."""
     draft = KVLayout(order, page_size, kv_dtype, num_pages, tuple(layers), None, target_id, epoch)
     cursor = 0
     placed: list[LayerSpec] = []
@@ -196,8 +212,12 @@ def build_layout(
     if staging is not None:
         staging = dataclasses.replace(staging, offset=cursor)
         cursor = _align(cursor + staging.nbytes)
+    if channel is not None:
+        channel = dataclasses.replace(channel, offset=cursor)
+        cursor = _align(cursor + channel.nbytes)
     # a trailer no region uses: the handshake canary lives there
-    return dataclasses.replace(draft, layers=tuple(placed), staging=staging, total_bytes=cursor + TRAILER_BYTES)
+    return dataclasses.replace(draft, layers=tuple(placed), staging=staging, channel=channel,
+                               total_bytes=cursor + TRAILER_BYTES)
 
 
 def resolve_order(

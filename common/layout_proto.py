@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from common.drafter_facts import DrafterFacts
-from common.kv_layout import ORDERS, KVLayout, LayerSpec, StagingSpec
+from common.kv_layout import ORDERS, ChannelSpec, KVLayout, LayerSpec, StagingSpec
 from common.pool_transport import TorchBuild
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import kv_layout_pb2 as kv_pb
@@ -108,6 +108,8 @@ def kv_layout_to_proto(layout: KVLayout) -> kv_pb.KVLayout:
     )
     if layout.staging is not None:
         msg.staging.CopyFrom(staging_spec_to_proto(layout.staging))
+    if layout.channel is not None:
+        msg.channel.CopyFrom(kv_pb.ChannelSpec(capacity=layout.channel.capacity, offset=layout.channel.offset))
     return msg
 
 
@@ -141,6 +143,7 @@ def kv_layout_from_proto(msg: kv_pb.KVLayout) -> KVLayout:
         target_id=msg.target_id,
         epoch=msg.epoch,
         total_bytes=msg.total_bytes,
+        channel=ChannelSpec(capacity=msg.channel.capacity, offset=msg.channel.offset) if msg.HasField("channel") else None,
     )
 
 

@@ -93,7 +93,7 @@ def negotiate_response(facts: DrafterFacts) -> dpb.NegotiateResponse:
 
 def attach_response(reply: AttachReply) -> dpb.AttachResponse:
     return dpb.AttachResponse(target_id=reply.target_id, epoch=reply.epoch, mapped_bytes=reply.mapped_bytes,
-                              mapped_epochs=list(reply.mapped_epochs))
+                              mapped_epochs=list(reply.mapped_epochs), channel_serving=reply.channel_serving)
 
 
 def propose_response(drafts: dict[int, list[int]]) -> dpb.ProposeResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 from common.drafter_facts import DrafterFacts
 from common.kv_layout import KVLayout, LayerSpec, LayoutNotResolvedError, canonical_kv_dtype, resolve_order
 from common.pool_exports import MappedExports
+from common.shm_channel import ChannelServer, ErrorStatus, Handler
 from common.pool_transport import (
     Canary,
     TorchBuild,
@@ -78,6 +80,7 @@ class AttachReply:
     epoch: int
     mapped_bytes: int
     mapped_epochs: tuple[int, ...] = ()  # of the unconfirmed epochs, those this drafter mapped
+    channel_serving: bool = False  # Propose is answered on the layout's shm channel too
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,18 @@ class ReleaseArgs:
     detach: bool
 
 
+@dataclass(frozen=True)
+class ChannelService:
+    """What the shm channel's thread answers with: raw request bytes → raw reply bytes, and
+    the gRPC status of an exception (draft_service/server.py builds both)."""
+
+    handler: Handler
+    error_status: ErrorStatus
+
+
+MAX_CHANNEL_CAPACITY = 64 * MiB  # a layout asking for more is refused (the pool is the target's, the bound ours)
+
+
 @dataclass
 class _Negotiated:
     target_id: str
@@ -112,12 +127,18 @@ def _draft_layer_key(spec: LayerSpec) -> tuple:
 class DrafterHost:
     """The drafter plus its handshake state; every method runs on the event loop's thread."""
 
-    def __init__(self, metrics: DrafterMetrics | None = None) -> None:
+    def __init__(self, metrics: DrafterMetrics | None = None, channel: ChannelService | None = None) -> None:
         self.drafter: Drafter | None = None
         self.negotiated: _Negotiated | None = None
         self.max_model_len = 0
         self.metrics = metrics or DrafterMetrics()
         self.mapped_exports = MappedExports()  # which exports it mapped, for the target's IPC accounting
+        # The shm channel's thread calls in beside the event loop: every call holds `lock`
+        # (draft_service/server.py), and the channel is stopped before one that replaces
+        # what it serves (Negotiate, Attach, a detach), never while holding the lock.
+        self.lock = threading.Lock()
+        self.channel_service = channel  # None: Propose over gRPC only (an in-process host)
+        self._channel: ChannelServer | None = None
 
     def serve(self, drafter: Drafter) -> None:
         """The draft model is loaded: from now on the host answers."""
@@ -208,7 +229,28 @@ class DrafterHost:
         self.metrics.epoch.set(layout.epoch)
         mapped_epochs = self.mapped_exports.answer(layout.target_id, args.unconfirmed_epochs, layout.epoch)
         return AttachReply(target_id=layout.target_id, epoch=layout.epoch, mapped_bytes=mapped,
-                           mapped_epochs=tuple(mapped_epochs))
+                           mapped_epochs=tuple(mapped_epochs), channel_serving=self._start_channel(pool, layout))
+
+    def _start_channel(self, pool, layout: KVLayout) -> bool:
+        """Serve Propose on the layout's channel, when it offers one in a CPU pool we mapped."""
+        channel, service = layout.channel, self.channel_service
+        if channel is None or service is None or pool is None or pool.device.type != "cpu":
+            return False
+        if channel.capacity > MAX_CHANNEL_CAPACITY or channel.offset + channel.nbytes > layout.trailer_offset:
+            raise InvalidArgumentError("layout.channel", f"{channel.nbytes} bytes at {channel.offset} do not fit the "
+                                       f"pool before its trailer ({layout.trailer_offset}), or capacity "
+                                       f"{channel.capacity} exceeds {MAX_CHANNEL_CAPACITY}")
+        region = pool.raw_bytes()[channel.offset : channel.offset + channel.nbytes]  # [nbytes] uint8
+        self._channel = ChannelServer(memoryview(region.numpy()), channel.capacity, service.handler,
+                                      service.error_status, name=f"channel-e{layout.epoch}")
+        log.info("answering Propose on the pool's shm channel too (%d KiB each way)", channel.capacity // 1024)
+        return True
+
+    def stop_channel(self) -> None:
+        """Stop the channel's threads (before a call that replaces what they serve; never under `lock`)."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
 
     @staticmethod
     def _check_layout(drafter: Drafter, layout: KVLayout) -> None:
@@ -373,5 +415,6 @@ class DrafterHost:
             drafter.forget(seq_id)
 
     def close(self) -> None:
+        self.stop_channel()
         if self.drafter is not None:
             self.drafter.unbind()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.auth import TokenAuthInterceptor
-from common.grpc_errors import ErrorMapper, ErrorMappingInterceptor, ErrorTable
+from common.grpc_errors import ErrorMapper, ErrorMappingInterceptor, ErrorTable, parse_request
 from common.grpc_server import (
     HealthReporter,
     check_listen_config,
@@ -27,11 +27,12 @@ from common.grpc_server import (
 from common.kv_layout import LayoutNotResolvedError, LayoutResolutionError
 from common.metrics_http import check_metrics_port, metrics_host, start_metrics_server
 from common.pool_transport import TransportError
+from common.shm_channel import ChannelRequestTooLarge
 from common.shm_file import PoolAccessDenied
 from common.threads import apply_threads, drafter_threads
 from draft_service import convert
 from draft_service.drafters import DrafterConfig, IncompatibleTargetError, load_drafter
-from draft_service.host import DrafterHost, HandshakeError, InvalidArgumentError, MiB, NotReadyError
+from draft_service.host import ChannelService, DrafterHost, HandshakeError, InvalidArgumentError, MiB, NotReadyError
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 
@@ -41,6 +42,7 @@ SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["Drafter"].full_name  # "splitspe
 
 ERROR_STATUS: ErrorTable = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ChannelRequestTooLarge, grpc.StatusCode.INVALID_ARGUMENT),
     (IncompatibleTargetError, grpc.StatusCode.FAILED_PRECONDITION),
     (LayoutNotResolvedError, grpc.StatusCode.FAILED_PRECONDITION),
     (LayoutResolutionError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -56,23 +58,49 @@ ERRORS = ErrorMapper(ERROR_STATUS, log, log_name="drafter", mapped_level=logging
 
 
 def negotiate(host: DrafterHost, request: dpb.NegotiateRequest) -> dpb.NegotiateResponse:
-    return convert.negotiate_response(host.negotiate(convert.negotiate_args(request)))
+    host.stop_channel()  # a (re)negotiation precedes a new Attach: the old epoch's channel ends
+    with host.lock:
+        return convert.negotiate_response(host.negotiate(convert.negotiate_args(request)))
 
 
 def attach(host: DrafterHost, request: dpb.AttachRequest) -> dpb.AttachResponse:
-    with host.attach_attempt():  # a malformed Attach counts as a failed one
+    host.stop_channel()
+    with host.lock, host.attach_attempt():  # a malformed Attach counts as a failed one
         host.require()  # a loading drafter is UNAVAILABLE, whatever the message holds
         return convert.attach_response(host.attach(convert.attach_args(request)))
 
 
 def propose(host: DrafterHost, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
     """One batched step: the target's new context and releases in, drafts out."""
-    return convert.propose_response(host.propose(convert.propose_args(request)))
+    with host.lock:
+        return convert.propose_response(host.propose(convert.propose_args(request)))
 
 
 def release(host: DrafterHost, request: dpb.ReleaseRequest) -> dpb.ReleaseResponse:
-    host.release(convert.release_args(request))
+    args = convert.release_args(request)
+    if args.detach:
+        host.stop_channel()
+    with host.lock:
+        host.release(args)
     return dpb.ReleaseResponse()
+
+
+def channel_service(host: DrafterHost) -> ChannelService:
+    """Propose on the pool's shm channel: the bytes gRPC would carry, the same call, and the
+    status gRPC would answer (common/shm_channel.py)."""
+
+    def handle(raw: bytes) -> bytes:
+        return propose(host, parse_request(raw, dpb.ProposeRequest.FromString)).SerializeToString()
+
+    def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        code, details = ERRORS.status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("Propose on the shm channel failed", exc_info=exc)
+        else:
+            log.info("Propose on the shm channel: %s: %s", code.name, details)
+        return code, details
+
+    return ChannelService(handle, error_status)
 
 
 class DrafterServicer(dpb_grpc.DrafterServicer):
@@ -144,6 +172,7 @@ async def start_server(config: DraftServeConfig) -> RunningDrafter:
     server = grpc.aio.server(interceptors=[auth, errors], options=server_options(config.max_message_bytes))
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-load")
     host = DrafterHost()
+    host.channel_service = channel_service(host)
     dpb_grpc.add_DrafterServicer_to_server(DrafterServicer(host), server)
     health = HealthReporter(server, SERVICE_NAME)
     port = server.add_insecure_port(config.address)

@@ -10,6 +10,7 @@ from common.cli import add_metrics_args, add_threads_arg, run_service
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES, ORDERS, CacheConfig
 from splitspec.cli_args import HelpFormatter, add_log_level, fraction, parse_bytes, positive_int
+from target_service.config import PROPOSE_TRANSPORTS
 from target_service.draft_policy import SPECULATIVE_POLICIES
 
 
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--speculative-policy", default="adaptive", choices=SPECULATIVE_POLICIES,
                       help="adaptive: ask each step for the number of drafts (0..K) expected to emit the most "
                            "tokens per second, from measured acceptance and step costs; fixed: always K")
+    spec.add_argument("--propose-transport", default="auto", choices=PROPOSE_TRANSPORTS,
+                      help="auto: Propose over a channel in the KV pool's shm file where both services map it "
+                           "(a CPU pool and a drafter that reads pages), else gRPC; grpc: always gRPC")
     spec.add_argument("--drafter-timeout-s", type=float, default=2.0, help="per-step Propose deadline")
     spec.add_argument("--drafter-startup-wait-s", type=float, default=30.0,
                       help="how long the first handshake may wait for the drafter")
@@ -126,6 +130,7 @@ def serve_config(args: argparse.Namespace):
         drafter_startup_wait_s=args.drafter_startup_wait_s,
         speculative_disable_batch_size=args.speculative_disable_by_batch_size,
         speculative_policy=args.speculative_policy,
+        propose_transport=args.propose_transport,
         threads=args.threads,
     )
     return ServeConfig(

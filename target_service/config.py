@@ -11,6 +11,9 @@ from common.dtypes import check_dtype_name
 from common.kv_layout import CacheConfig
 from target_service.draft_policy import SPECULATIVE_POLICIES
 
+PROPOSE_TRANSPORTS = ("auto", "grpc")
+IN_PROCESS_DRAFTER = "in-process"  # `drafter` of an engine given a drafter stub to call directly (draft_service/local.py)
+
 
 @dataclass
 class EngineConfig:
@@ -33,6 +36,7 @@ class EngineConfig:
     drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
     speculative_disable_batch_size: int | None = None  # no drafts while this many sequences or more run
     speculative_policy: str = "adaptive"  # draft_policy.SPECULATIVE_POLICIES: adaptive (k per step) | fixed (K)
+    propose_transport: str = "auto"  # PROPOSE_TRANSPORTS: auto (the pool's shm channel on a CPU) | grpc
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
 
     def __post_init__(self) -> None:
@@ -43,6 +47,9 @@ class EngineConfig:
         if self.speculative_policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"speculative_policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
                              f"got {self.speculative_policy!r}")
+        if self.propose_transport not in PROPOSE_TRANSPORTS:
+            raise ValueError(f"propose_transport must be one of {', '.join(PROPOSE_TRANSPORTS)}, "
+                             f"got {self.propose_transport!r}")
         if self.drafter_timeout_s <= 0 or self.drafter_startup_wait_s < 0:
             raise ValueError("drafter timeouts must be positive")
         if not self.model:

@@ -221,6 +221,7 @@ def drafter_state(state: dict) -> pb.DrafterState:
         num_speculative_tokens=state.get("num_speculative_tokens", 0),
         epoch=state.get("epoch", 0),
         detail=state.get("detail", ""),
+        propose_transport=state.get("propose_transport", ""),
     )
 
 

@@ -27,6 +27,7 @@ from common.kv_pool import PagePool
 from common.layout_proto import kv_dtype_to_proto, kv_layout_to_proto, order_to_proto
 from common.pool_exports import PoolExports
 from common.pool_transport import TorchBuild, device_uuid, ipc_build_mismatch, write_canary
+from common.shm_channel import ChannelClient
 from splitspec.v1 import drafter_pb2 as dpb
 from target_service.api_types import ModelInfo
 from target_service.config import EngineConfig
@@ -113,6 +114,14 @@ class SharedPool:
             unconfirmed_epochs=self.exports.unconfirmed_epochs(target_id, epoch)))
         # older exports may go now (with torch's IPC reference of those the drafter never mapped)
         self.exports.attached(target_id, epoch, reply.mapped_epochs, mapped=reply.mapped_bytes > 0)
+        self.link.use_channel(self._channel_client() if reply.channel_serving else None)
+
+    def _channel_client(self) -> ChannelClient | None:
+        channel = self.layout.channel
+        if channel is None:  # a drafter claiming a channel we never offered: gRPC it is
+            return None
+        region = self.pool.raw_bytes()[channel.offset : channel.offset + channel.nbytes]  # [nbytes] uint8
+        return ChannelClient(memoryview(region.numpy()), channel.capacity)
 
     def describe_drafter(self) -> dict:
         return self.link.describe(self.layout.epoch) if self.link is not None else dict(NO_DRAFTER)

@@ -15,8 +15,10 @@ import torch
 from common.attention_backends import select_backend
 from common.drafter_facts import DrafterFacts
 from common.kv_layout import (
+    DEFAULT_CHANNEL_CAPACITY,
     KV_DTYPES,
     CacheConfig,
+    ChannelSpec,
     KVLayout,
     StagingSpec,
     build_layout,
@@ -24,7 +26,7 @@ from common.kv_layout import (
     canonical_kv_dtype,
     resolve_order,
 )
-from target_service.config import EngineConfig
+from target_service.config import IN_PROCESS_DRAFTER, EngineConfig
 
 
 def available_memory(device: torch.device) -> int:
@@ -82,10 +84,21 @@ class PoolPlanner:
         num_pages = plan_num_pages(cache, bytes_per_page(cache.page_size, kv_dtype, specs), self.device,
                                    config.max_num_seqs, self.max_model_len)
         return build_layout(order=order, page_size=cache.page_size, kv_dtype=kv_dtype, num_pages=num_pages,
-                            layers=specs, staging=staging, target_id=target_id, epoch=epoch)
+                            layers=specs, staging=staging, target_id=target_id, epoch=epoch,
+                            channel=self._channel(facts))
+
+    def _channel(self, facts: DrafterFacts | None) -> ChannelSpec | None:
+        """A Propose channel in the pool: only a CPU pool is a file both processes map (a GPU
+        pool is device memory; a drafter that reads no pages, n-gram, maps none), and an
+        in-process drafter is called directly."""
+        config = self.config
+        if (facts is None or not facts.maps_pool or self.device.type != "cpu"
+                or config.propose_transport != "auto" or config.drafter == IN_PROCESS_DRAFTER):
+            return None
+        return ChannelSpec(capacity=DEFAULT_CHANNEL_CAPACITY)
 
 
 def same_regions(a: KVLayout, b: KVLayout) -> bool:
     """Same storage plan (an epoch bump may reuse the pool)."""
-    return (a.order, a.page_size, a.kv_dtype, a.layers, a.staging, a.num_pages) == (
-        b.order, b.page_size, b.kv_dtype, b.layers, b.staging, b.num_pages)
+    return (a.order, a.page_size, a.kv_dtype, a.layers, a.staging, a.channel, a.num_pages) == (
+        b.order, b.page_size, b.kv_dtype, b.layers, b.staging, b.channel, b.num_pages)

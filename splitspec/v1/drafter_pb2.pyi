@@ -144,16 +144,18 @@ class AttachRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., pool: _Optional[_Union[PoolHandle, _Mapping]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., unconfirmed_epochs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("target_id", "epoch", "mapped_bytes", "mapped_epochs")
+    __slots__ = ("target_id", "epoch", "mapped_bytes", "mapped_epochs", "channel_serving")
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAPPED_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_SERVING_FIELD_NUMBER: _ClassVar[int]
     target_id: str
     epoch: int
     mapped_bytes: int
     mapped_epochs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., mapped_epochs: _Optional[_Iterable[int]] = ...) -> None: ...
+    channel_serving: bool
+    def __init__(self, target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., mapped_epochs: _Optional[_Iterable[int]] = ..., channel_serving: _Optional[bool] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("seq_id", "context_start", "context_token_ids", "staging_row", "new_pages", "last_token_id", "num_speculative_tokens")

@@ -192,7 +192,7 @@ class ServerInfo(_message.Message):
     def __init__(self, kv_layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., drafter: _Optional[_Union[DrafterState, _Mapping]] = ...) -> None: ...
 
 class DrafterState(_message.Message):
-    __slots__ = ("status", "address", "kind", "num_speculative_tokens", "epoch", "detail")
+    __slots__ = ("status", "address", "kind", "num_speculative_tokens", "epoch", "detail", "propose_transport")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[DrafterState.Status]
@@ -211,10 +211,12 @@ class DrafterState(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     status: DrafterState.Status
     address: str
     kind: str
     num_speculative_tokens: int
     epoch: int
     detail: str
-    def __init__(self, status: _Optional[_Union[DrafterState.Status, str]] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    propose_transport: str
+    def __init__(self, status: _Optional[_Union[DrafterState.Status, str]] = ..., address: _Optional[str] = ..., kind: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., detail: _Optional[str] = ..., propose_transport: _Optional[str] = ...) -> None: ...

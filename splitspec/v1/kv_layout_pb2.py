@@ -24,23 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitspec/v1/kv_layout.proto\x12\x0csplitspec.v1\"\x9d\x01\n\tLayerSpec\x12\'\n\x05owner\x18\x01 \x01(\x0e\x32\x18.splitspec.v1.LayerOwner\x12\r\n\x05index\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0f\n\x07k_scale\x18\x06 \x01(\x01\x12\x0f\n\x07v_scale\x18\x07 \x01(\x01\"s\n\x0bStagingSpec\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12$\n\x05\x64type\x18\x03 \x01(\x0e\x32\x15.splitspec.v1.KVDtype\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tlayer_ids\x18\x05 \x03(\r\"\x8d\x02\n\x08KVLayout\x12&\n\x05order\x18\x01 \x01(\x0e\x32\x17.splitspec.v1.PageOrder\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\'\n\x08kv_dtype\x18\x03 \x01(\x0e\x32\x15.splitspec.v1.KVDtype\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\'\n\x06layers\x18\x05 \x03(\x0b\x32\x17.splitspec.v1.LayerSpec\x12*\n\x07staging\x18\x06 \x01(\x0b\x32\x19.splitspec.v1.StagingSpec\x12\x11\n\ttarget_id\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04*O\n\tPageOrder\x12\x1a\n\x16PAGE_ORDER_UNSPECIFIED\x10\x00\x12\x12\n\x0ePAGE_ORDER_NHD\x10\x01\x12\x12\n\x0ePAGE_ORDER_HND\x10\x02*\x94\x01\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x01\x12\x15\n\x11KV_DTYPE_FP8_E5M2\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x04\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x05*X\n\nLayerOwner\x12\x1b\n\x17LAYER_OWNER_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYER_OWNER_TARGET\x10\x01\x12\x15\n\x11LAYER_OWNER_DRAFT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitspec/v1/kv_layout.proto\x12\x0csplitspec.v1\"\x9d\x01\n\tLayerSpec\x12\'\n\x05owner\x18\x01 \x01(\x0e\x32\x18.splitspec.v1.LayerOwner\x12\r\n\x05index\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0f\n\x07k_scale\x18\x06 \x01(\x01\x12\x0f\n\x07v_scale\x18\x07 \x01(\x01\"s\n\x0bStagingSpec\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12$\n\x05\x64type\x18\x03 \x01(\x0e\x32\x15.splitspec.v1.KVDtype\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tlayer_ids\x18\x05 \x03(\r\"/\n\x0b\x43hannelSpec\x12\x10\n\x08\x63\x61pacity\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xb9\x02\n\x08KVLayout\x12&\n\x05order\x18\x01 \x01(\x0e\x32\x17.splitspec.v1.PageOrder\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\'\n\x08kv_dtype\x18\x03 \x01(\x0e\x32\x15.splitspec.v1.KVDtype\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\'\n\x06layers\x18\x05 \x03(\x0b\x32\x17.splitspec.v1.LayerSpec\x12*\n\x07staging\x18\x06 \x01(\x0b\x32\x19.splitspec.v1.StagingSpec\x12\x11\n\ttarget_id\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12*\n\x07\x63hannel\x18\n \x01(\x0b\x32\x19.splitspec.v1.ChannelSpec*O\n\tPageOrder\x12\x1a\n\x16PAGE_ORDER_UNSPECIFIED\x10\x00\x12\x12\n\x0ePAGE_ORDER_NHD\x10\x01\x12\x12\n\x0ePAGE_ORDER_HND\x10\x02*\x94\x01\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x01\x12\x15\n\x11KV_DTYPE_FP8_E5M2\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x04\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x05*X\n\nLayerOwner\x12\x1b\n\x17LAYER_OWNER_UNSPECIFIED\x10\x00\x12\x16\n\x12LAYER_OWNER_TARGET\x10\x01\x12\x15\n\x11LAYER_OWNER_DRAFT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.kv_layout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAGEORDER']._serialized_start=595
-  _globals['_PAGEORDER']._serialized_end=674
-  _globals['_KVDTYPE']._serialized_start=677
-  _globals['_KVDTYPE']._serialized_end=825
-  _globals['_LAYEROWNER']._serialized_start=827
-  _globals['_LAYEROWNER']._serialized_end=915
+  _globals['_PAGEORDER']._serialized_start=688
+  _globals['_PAGEORDER']._serialized_end=767
+  _globals['_KVDTYPE']._serialized_start=770
+  _globals['_KVDTYPE']._serialized_end=918
+  _globals['_LAYEROWNER']._serialized_start=920
+  _globals['_LAYEROWNER']._serialized_end=1008
   _globals['_LAYERSPEC']._serialized_start=47
   _globals['_LAYERSPEC']._serialized_end=204
   _globals['_STAGINGSPEC']._serialized_start=206
   _globals['_STAGINGSPEC']._serialized_end=321
-  _globals['_KVLAYOUT']._serialized_start=324
-  _globals['_KVLAYOUT']._serialized_end=593
+  _globals['_CHANNELSPEC']._serialized_start=323
+  _globals['_CHANNELSPEC']._serialized_end=370
+  _globals['_KVLAYOUT']._serialized_start=373
+  _globals['_KVLAYOUT']._serialized_end=686
 # @@protoc_insertion_point(module_scope)

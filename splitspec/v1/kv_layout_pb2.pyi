@@ -72,8 +72,16 @@ class StagingSpec(_message.Message):
     layer_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[KVDtype, str]] = ..., offset: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChannelSpec(_message.Message):
+    __slots__ = ("capacity", "offset")
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    capacity: int
+    offset: int
+    def __init__(self, capacity: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class KVLayout(_message.Message):
-    __slots__ = ("order", "page_size", "kv_dtype", "num_pages", "layers", "staging", "target_id", "epoch", "total_bytes")
+    __slots__ = ("order", "page_size", "kv_dtype", "num_pages", "layers", "staging", "target_id", "epoch", "total_bytes", "channel")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +91,7 @@ class KVLayout(_message.Message):
     TARGET_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     order: PageOrder
     page_size: int
     kv_dtype: KVDtype
@@ -92,4 +101,5 @@ class KVLayout(_message.Message):
     target_id: str
     epoch: int
     total_bytes: int
-    def __init__(self, order: _Optional[_Union[PageOrder, str]] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[_Union[KVDtype, str]] = ..., num_pages: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., staging: _Optional[_Union[StagingSpec, _Mapping]] = ..., target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    channel: ChannelSpec
+    def __init__(self, order: _Optional[_Union[PageOrder, str]] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[_Union[KVDtype, str]] = ..., num_pages: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., staging: _Optional[_Union[StagingSpec, _Mapping]] = ..., target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., total_bytes: _Optional[int] = ..., channel: _Optional[_Union[ChannelSpec, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,130 @@
+"""Propose over the KV pool's shm channel, with a real drafter process (common/shm_channel.py).
+
+The target engine runs in the test's process (so the test can reach its end of the channel);
+the drafter is `splitspec-draft`, a separate process mapping the same pool file."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common.kv_layout import CacheConfig
+from common.shm_channel import ChannelError
+from splitspec.v1 import drafter_pb2 as dpb
+from target_service.api_types import EngineRequest, SpeculationParams, StopParams
+from target_service.config import EngineConfig
+from target_service.engine import build_engine_core
+from tests.procs import TOKEN, Service
+from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3
+
+pytestmark = pytest.mark.slow
+K = 4
+
+
+@pytest.fixture(scope="module")
+def target_model(tmp_path_factory) -> Path:
+    return make_qwen3(tmp_path_factory.mktemp("target"), num_hidden_layers=TARGET_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def draft_lm(target_model, tmp_path_factory) -> Path:
+    """A copy of the target: every draft is accepted."""
+    out = tmp_path_factory.mktemp("draft") / "lm"
+    shutil.copytree(target_model, out)
+    return out
+
+
+@pytest.fixture
+def drafter(draft_lm, tmp_path):
+    service = Service("draft_service.cli", ["--model", str(draft_lm), "--port", "0", "--shm-dir", str(tmp_path),
+                                            "--num-speculative-tokens", str(K)], tmp_path / "drafter.log")
+    service.wait_serving()
+    yield service
+    service.kill()
+
+
+def engine(target_model: Path, drafter: Service, shm_dir: Path, transport: str = "auto", timeout_s: float = 60.0):
+    config = EngineConfig(model=str(target_model), cache=CacheConfig(shm_dir=str(shm_dir), num_pages=256, page_size=8),
+                          drafter=drafter.address, internal_token=TOKEN, num_speculative_tokens=K,
+                          speculative_policy="fixed", propose_transport=transport, drafter_timeout_s=timeout_s,
+                          max_num_batched_tokens=128)
+    core = build_engine_core(config)
+    assert core.link.ready, core.link.detail
+    return core
+
+
+def generate(core, prompt: str, max_tokens: int = 24, speculate: bool = True):
+    request_id = f"r{core.link.num_proposes}-{speculate}-{prompt[:6]}"
+    core.add(EngineRequest(request_id, tuple(core.tokenizer.encode(prompt)),
+                           stop=StopParams(max_tokens=max_tokens, ignore_eos=True),
+                           speculation=SpeculationParams(disable=not speculate)))
+    tokens = []
+    while True:
+        for out in core.step():
+            tokens.extend(out.token_ids)
+            if out.finish_reason is not None:
+                return tokens, out.usage
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_propose_goes_over_the_pool_channel_unless_told_grpc_and_is_lossless(target_model, drafter, tmp_path,
+                                                                             transport):
+    core = engine(target_model, drafter, tmp_path, transport)
+    try:
+        assert core.link.describe(0)["propose_transport"] == ("shm" if transport == "auto" else "grpc")
+        for prompt in PROMPTS[:3]:
+            reference, _ = generate(core, prompt, speculate=False)
+            tokens, usage = generate(core, prompt)
+            assert tokens == reference
+            assert usage.accepted_tokens == usage.draft_tokens > 0  # the target's own copy drafts
+        proposes, on_channel = core.link.num_proposes, core.link.channel_proposes
+        assert proposes > 0 and on_channel == (proposes if transport == "auto" else 0)
+    finally:
+        core.close()
+
+
+def test_garbage_on_the_channel_gets_an_error_reply_and_the_drafter_keeps_serving(target_model, drafter, tmp_path):
+    """What a writer other than the engine could put in the region: bytes that are no
+    ProposeRequest, and a ProposeRequest for another epoch. Each gets gRPC's status for it;
+    the engine's own Proposes go on over the channel."""
+    core = engine(target_model, drafter, tmp_path)
+    try:
+        channel = core.link.shm_channel
+        with pytest.raises(ChannelError) as garbage:
+            channel.call(b"\xff\x01" * 64, timeout_s=30.0)
+        assert garbage.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid splitspec.v1.ProposeRequest" in garbage.value.details
+        stale = dpb.ProposeRequest(target_id=core.layout.target_id, epoch=core.layout.epoch + 7)
+        with pytest.raises(ChannelError) as wrong_epoch:
+            channel.call(stale.SerializeToString(), timeout_s=30.0)
+        assert wrong_epoch.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"epoch {core.layout.epoch + 7}" in wrong_epoch.value.details
+        before = core.link.channel_proposes
+        reference, _ = generate(core, PROMPTS[1], speculate=False)
+        tokens, usage = generate(core, PROMPTS[1])
+        assert tokens == reference and usage.accepted_tokens > 0
+        assert core.link.ready and core.link.channel_proposes > before
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_drafter_gone_from_the_channel_is_noticed_by_its_heartbeat(target_model, drafter, tmp_path, sig):
+    """The Propose deadline is a minute: a killed or stopped drafter must be noticed by its
+    heartbeat (UNAVAILABLE), not waited out (DEADLINE_EXCEEDED a minute later)."""
+    core = engine(target_model, drafter, tmp_path, timeout_s=60.0)
+    try:
+        reference, _ = generate(core, PROMPTS[2], speculate=False)
+        drafter.signal(sig)
+        tokens, _ = generate(core, PROMPTS[2])
+        assert tokens == reference  # served without speculation meanwhile
+        assert not core.link.ready
+        assert "UNAVAILABLE" in core.link.detail and "stopped serving the shm channel" in core.link.detail
+    finally:
+        if sig == signal.SIGSTOP:
+            drafter.signal(signal.SIGCONT)
+        core.close()
