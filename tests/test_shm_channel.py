@@ -191,6 +191,16 @@ def test_the_region_must_be_the_size_its_capacity_needs():
         ChannelClient(memoryview(bytearray(100)), CAPACITY)
     with pytest.raises(ValueError, match="spin_s must be >= 0"):
         ChannelServerConfig(spin_s=-1)
+    with pytest.raises(ValueError, match="idle_poll_s <= max_idle_poll_s"):
+        ChannelServerConfig(idle_poll_s=0.1, max_idle_poll_s=0.01)
+
+
+def test_the_server_spins_after_a_request_then_polls_ever_more_slowly():
+    config = ChannelServerConfig(spin_s=0.02, idle_poll_s=0.0005, max_idle_poll_s=0.01)
+    assert config.poll_interval(0.0) == config.poll_interval(0.019) == 0.0  # steps come every few ms: spin
+    assert config.poll_interval(0.5) == 0.0005
+    assert config.poll_interval(1.5) == 0.001 and config.poll_interval(3.2) == 0.004
+    assert config.poll_interval(60.0) == 0.01  # idle for a minute: 100 polls a second
 
 
 def _counting_server(path: str, ready, done) -> None:
@@ -208,7 +218,7 @@ def _counting_server(path: str, ready, done) -> None:
         return b"%d,%d" % (value, seen["wrong"])
 
     server = ChannelServer(memoryview(mapped), CAPACITY, handler, error_status,
-                           ChannelServerConfig(spin_s=0.002, idle_poll_s=0.0002))
+                           ChannelServerConfig(spin_s=0.002, idle_poll_s=0.0002, max_idle_poll_s=0.001))
     ready.set()
     done.wait(120)
     server.close()
