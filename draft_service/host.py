@@ -21,9 +21,11 @@ from common.drafter_facts import DrafterFacts
 from common.kv_layout import KVLayout, LayerSpec, LayoutNotResolvedError, canonical_kv_dtype, resolve_order
 from common.pool_exports import MappedExports
 from common.shm_channel import ChannelServer, ErrorStatus, Handler
+from common.shm_file import PoolAccessDenied
 from common.pool_transport import (
     Canary,
     TorchBuild,
+    TransportError,
     ipc_build_mismatch,
     map_pool,
     read_canary,
@@ -212,11 +214,10 @@ class DrafterHost:
         self._check_layout(drafter, layout)
         pool = None
         if drafter.needs_pool:
-            self._check_canary_fits(args.canary, layout)  # before the pool file is touched
-            pool = map_pool(layout, args.pool_handle, drafter.cache_config.shm_dir, args.canary)
-            self.mapped_exports.record(layout.target_id, layout.epoch)
-            self._check_pool(drafter, pool, args.canary)
-        drafter.bind(pool, layout)
+            pool = self._map_pool(drafter, args)
+        elif layout.channel is not None and self.channel_service is not None:
+            pool = self._map_pool_for_channel(drafter, args)
+        drafter.bind(pool if drafter.needs_pool else None, layout)
         self.metrics.warmup_seconds.observe(drafter.warmup())  # kernels compiled now, not in a Propose
         self.max_model_len = self.negotiated.target.max_model_len
         mapped = layout.total_bytes if pool is not None else 0
@@ -251,6 +252,23 @@ class DrafterHost:
         channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()
+
+    def _map_pool(self, drafter: Drafter, args: AttachArgs):
+        layout = args.layout
+        self._check_canary_fits(args.canary, layout)  # before the pool file is touched
+        pool = map_pool(layout, args.pool_handle, drafter.cache_config.shm_dir, args.canary)
+        self.mapped_exports.record(layout.target_id, layout.epoch)
+        self._check_pool(drafter, pool, args.canary)
+        return pool
+
+    def _map_pool_for_channel(self, drafter: Drafter, args: AttachArgs):
+        """A drafter that reads no pages (n-gram) maps the pool only for the Propose channel in
+        it, with the same checks; where it cannot (another --shm-dir), Propose stays on gRPC."""
+        try:
+            return self._map_pool(drafter, args)
+        except (PoolAccessDenied, TransportError, HandshakeError, InvalidArgumentError) as exc:
+            log.info("not answering Propose on the pool's shm channel (%s); gRPC only", exc)
+            return None
 
     @staticmethod
     def _check_layout(drafter: Drafter, layout: KVLayout) -> None:

@@ -89,11 +89,10 @@ class PoolPlanner:
 
     def _channel(self, facts: DrafterFacts | None) -> ChannelSpec | None:
         """A Propose channel in the pool: only a CPU pool is a file both processes map (a GPU
-        pool is device memory; a drafter that reads no pages, n-gram, maps none), and an
-        in-process drafter is called directly."""
+        pool is device memory), and an in-process drafter is called directly."""
         config = self.config
-        if (facts is None or not facts.maps_pool or self.device.type != "cpu"
-                or config.propose_transport != "auto" or config.drafter == IN_PROCESS_DRAFTER):
+        if (facts is None or self.device.type != "cpu" or config.propose_transport != "auto"
+                or config.drafter == IN_PROCESS_DRAFTER):
             return None
         return ChannelSpec(capacity=DEFAULT_CHANNEL_CAPACITY)
 

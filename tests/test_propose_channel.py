@@ -38,6 +38,32 @@ def draft_lm(target_model, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.parametrize("same_shm_dir", [True, False])
+def test_an_ngram_drafter_maps_the_pool_for_the_channel_alone(target_model, tmp_path, same_shm_dir):
+    """n-gram reads no pages, but its Propose is the one that costs least in the drafter: the
+    round trip is all it costs, so it maps the pool (with the same checks) to answer there.
+    Where it may not (its --shm-dir is another folder) it drafts over gRPC, as before."""
+    shm_dir = tmp_path if same_shm_dir else tmp_path / "elsewhere"
+    shm_dir.mkdir(exist_ok=True)
+    service = Service("draft_service.cli", ["--kind", "ngram", "--target-model", str(target_model), "--port", "0",
+                                            "--shm-dir", str(shm_dir), "--num-speculative-tokens", str(K)],
+                      tmp_path / "ngram.log")
+    service.wait_serving()
+    core = engine(target_model, service, tmp_path)
+    try:
+        assert core.link.describe(0)["propose_transport"] == ("shm" if same_shm_dir else "grpc")
+        reference, _ = generate(core, PROMPTS[0] * 3, speculate=False)
+        tokens, _ = generate(core, PROMPTS[0] * 3)
+        assert tokens == reference
+        assert core.link.num_proposes > 0
+        assert core.link.channel_proposes == (core.link.num_proposes if same_shm_dir else 0)
+    finally:
+        core.close()
+        service.kill()
+    if not same_shm_dir:
+        assert "gRPC only" in service.log()
+
+
 @pytest.fixture
 def drafter(draft_lm, tmp_path):
     service = Service("draft_service.cli", ["--model", str(draft_lm), "--port", "0", "--shm-dir", str(tmp_path),
