@@ -221,23 +221,41 @@ def median_seconds(run: Callable[[], float], repeat: int) -> float:
     return median_of([run() for _ in range(repeat)])
 
 
-def measure(core: EngineCore, row: int, name: str, prompts: list[list[int]], new_tokens: int, concurrency: int,
-            repeat: int, drafter_metrics: str | None = None) -> Result:
-    """One engine row (the median of `repeat` runs); with a drafter, the mean Propose round
-    trip and, for a drafter process, the part spent inside the drafter (the rest is transport)."""
-    runs = []
+def measure_once(core: EngineCore, row: int, name: str, prompts: list[list[int]], new_tokens: int,
+                 concurrency: int, drafter_metrics: str | None = None) -> Result:
+    """One run of an engine row; with a drafter, the mean Propose round trip and, for a
+    drafter process, the part spent inside the drafter (the rest is transport)."""
+    propose = HistogramMean.of(core.metrics.propose_latency)
+    inside = (HistogramMean.scraped(drafter_metrics, "splitspec_draft_propose_latency_seconds")
+              if drafter_metrics else None)
+    chosen = ChosenK(core)
+    verify, decode = forward_mean(core, "verify"), forward_mean(core, "decode")
+    n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
+    mean_k, zero_share, probe_share = chosen.summary()
+    return Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
+                  drafter_ms=inside.ms() if inside else None, mean_k=mean_k, zero_k_share=zero_share,
+                  verify_ms=verify.ms(), decode_ms=decode.ms(), note=_chosen_note(mean_k, zero_share, probe_share))
+
+
+@dataclass
+class EngineRow:
+    row: int
+    name: str
+    core: EngineCore
+    drafter_metrics: str | None = None  # a drafter process's /metrics
+
+
+def measure_interleaved(rows: list[EngineRow], prompts: list[list[int]], new_tokens: int, concurrency: int,
+                        repeat: int) -> list[Result]:
+    """Each row's median of `repeat` runs, the rows taking turns (row 4, 5, ..., 8, then again):
+    a drift of this machine's speed over the minutes of a run then lands on every row alike,
+    where row after row it would land on whichever ran during it."""
+    runs: dict[int, list[Result]] = {r.row: [] for r in rows}
     for _ in range(repeat):
-        propose = HistogramMean.of(core.metrics.propose_latency)
-        inside = (HistogramMean.scraped(drafter_metrics, "splitspec_draft_propose_latency_seconds")
-                  if drafter_metrics else None)
-        chosen = ChosenK(core)
-        verify, decode = forward_mean(core, "verify"), forward_mean(core, "decode")
-        n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
-        mean_k, zero_share, probe_share = chosen.summary()
-        runs.append(Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
-                           drafter_ms=inside.ms() if inside else None, mean_k=mean_k, zero_k_share=zero_share,
-                           verify_ms=verify.ms(), decode_ms=decode.ms(), note=_chosen_note(mean_k, zero_share, probe_share)))
-    return median_of(runs, key=lambda r: r.seconds)
+        for r in rows:
+            runs[r.row].append(measure_once(r.core, r.row, r.name, prompts, new_tokens, concurrency,
+                                            r.drafter_metrics))
+    return [median_of(found, key=lambda res: res.seconds) for found in runs.values()]
 
 
 def forward_mean(core: EngineCore, kind: str) -> HistogramMean:
@@ -279,34 +297,37 @@ def _chosen_note(mean_k: float | None, zero_share: float | None, probe_share: fl
 
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
                    repeat: int, tmp: str, policy: str = "adaptive") -> list[Result]:
-    results = []
+    """Rows 4-8, every engine (and drafter process) up at once and measured in turns."""
     token = secrets.token_hex(16)
-    core = build_engine_core(engine_config(models, tmp, k))
-    core.warmup()
-    for c in sorted({*levels, 16}):
-        results.append(measure(core, 4, "splitspec, target only", prompts, new_tokens, c, repeat))
-    core.close()
-    for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
-        drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp)
-        try:
+    rows: list[EngineRow] = []
+    drafters: list[DrafterProcess] = []
+    try:
+        core = build_engine_core(engine_config(models, tmp, k))
+        core.warmup()
+        rows.append(EngineRow(4, "splitspec, target only", core))
+        for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
+            drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp)
+            drafters.append(drafter)
             core = build_engine_core(engine_config(models, tmp, k, drafter.address, token, policy))
+            rows.append(EngineRow(row, f"splitspec + {kind} (2 processes)", core, drafter.metrics_url))
             if not core.link.ready:
                 raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
             core.warmup()
-            for c in levels:
-                results.append(measure(core, row, f"splitspec + {kind} (2 processes)", prompts, new_tokens, c,
-                                       repeat, drafter.metrics_url))
-            core.close()
-        finally:
+        local = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(models / "dflash"),
+                                               target_model=str(models / "target"), shm_dir=tmp))
+        core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused", policy), drafter_stub=local)
+        core.warmup()
+        rows.append(EngineRow(8, "splitspec + dflash (1 process)", core))
+        results = []
+        for c in sorted({*levels, 16}):
+            measured = rows if c in levels else rows[:1]  # row 4 at 16 always: the ratios' baseline
+            results += measure_interleaved(measured, prompts, new_tokens, c, repeat)
+        return results
+    finally:
+        for r in rows:
+            r.core.close()
+        for drafter in drafters:
             drafter.stop()
-    local = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(models / "dflash"),
-                                           target_model=str(models / "target"), shm_dir=tmp))
-    core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused", policy), drafter_stub=local)
-    core.warmup()
-    for c in levels:
-        results.append(measure(core, 8, "splitspec + dflash (1 process)", prompts, new_tokens, c, repeat))
-    core.close()
-    return results
 
 
 def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...],
@@ -343,7 +364,7 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
         f"Measured {date.today()} on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
         f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k} "
         f"({args.speculative_policy} policy); "
-        f"each row the median of {args.repeat} runs.",
+        f"each row the median of {args.repeat} runs, the rows taking turns.",
         "",
         "| # | run | concurrency | tok/s | vs 1 | vs 4 | accept len | step ms | verify ms | propose ms "
         "| in drafter ms | note |",

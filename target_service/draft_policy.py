@@ -5,7 +5,8 @@ tokens per second beat those of a step without drafts:
 
     tokens(k)  = n · (1 + Σ_{i=1..k} Π_{j=1..i} p_j)
     seconds(k) = forward(base + n·k) + propose(n·(k+1))      (k ≥ 1; seconds(0) = forward(base))
-    k*         = argmax_{0 ≤ k ≤ K} tokens(k) / seconds(k)      (k = 0 unless k* beats it by `min_gain`)
+    k*         = argmax_{0 ≤ k ≤ K} tokens(k) / seconds(k)      (k = 0 unless k* beats it by `min_gain`;
+                 then the longest k whose rate is within `min_gain` of k*'s)
 
 - p_j: P(draft j accepted | drafts 1..j-1 accepted), from discounted counts per draft
   position over the verifies of the current drafter epoch (`AcceptanceEstimate`); a probe
@@ -53,15 +54,18 @@ def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_t
     catch_up_seconds: what drafting at all adds this step (the drafter catching up on context)."""
     if max_k <= 0 or num_seqs <= 0:
         return 0
-    best_k = 0
-    best_rate = num_seqs / forward_seconds(base_tokens)
-    threshold = best_rate * (1.0 + min_gain)
+    plain = num_seqs / forward_seconds(base_tokens)
+    rates = [plain]  # by k
     for k in range(1, max_k + 1):
         seconds = forward_seconds(base_tokens + num_seqs * k) + propose_seconds(num_seqs * (k + 1)) + catch_up_seconds
-        rate = num_seqs * expected_tokens(acceptance, k) / seconds
-        if rate > threshold and rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+        rates.append(num_seqs * expected_tokens(acceptance, k) / seconds)
+    best = max(range(1, max_k + 1), key=rates.__getitem__)
+    if rates[best] <= plain * (1.0 + min_gain):
+        return 0  # drafts must beat no drafts by min_gain: a measured cost is noisy, a Propose is not free
+    # The longest draft within min_gain of the best: where a verify and a Propose cost about the
+    # same at every width, rates differ by the noise of their per-width estimates (the wider
+    # widths measured least), and the longer draft emits more tokens for the step's fixed costs.
+    return max(k for k in range(best, max_k + 1) if rates[k] >= rates[best] * (1.0 - min_gain))
 
 
 @dataclass
@@ -79,7 +83,7 @@ class AcceptanceEstimate:
     a probe tests (draft_policy.DraftPolicy)."""
 
     max_k: int
-    window: float = 64.0  # decisions for a count to fade to 1/e
+    window: float = 256.0  # decisions for a count to fade to 1/e
     prior: float = 0.6
     strength: float = 2.0
     z: float = 1.0

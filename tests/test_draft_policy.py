@@ -63,6 +63,22 @@ def test_falling_acceptance_shortens_the_draft():
     assert choose_num_drafts(acceptance, K, 1, 1, affine(0.02 * DECODE), constant(0.0)) == 3
 
 
+def test_among_rates_within_min_gain_the_longest_draft_is_chosen():
+    """Verify and Propose cost about the same at every width: the per-width estimates differ by
+    noise (here widths 8 and 9 measured 3% and 5% dearer), and the longer draft is asked for."""
+    acceptance = [0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.5, 0.5]
+    noisy = {8: DECODE * 1.03, 9: DECODE * 1.05}
+
+    def forward(tokens: int) -> float:
+        return noisy.get(tokens, DECODE)
+
+    rates = {k: expected_tokens(acceptance, k) / (forward(1 + k) + 0.3 * DECODE) for k in range(1, K + 1)}
+    assert max(rates, key=rates.get) == 6  # the estimates' own best ...
+    assert rates[8] >= rates[6] * 0.98
+    assert choose_num_drafts(acceptance, K, 1, 1, forward, constant(0.3 * DECODE), min_gain=0.02) == K  # ... K wins
+    assert choose_num_drafts(acceptance, K, 1, 1, forward, constant(0.3 * DECODE), min_gain=0.0) == 6
+
+
 def test_the_choice_never_exceeds_max_k():
     assert choose_num_drafts([1.0] * K, 3, 1, 1, affine(0.0), constant(0.0)) == 3
     assert choose_num_drafts([1.0] * K, 0, 1, 1, affine(0.0), constant(0.0)) == 0
