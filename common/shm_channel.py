@@ -25,9 +25,9 @@ readers load the sequence number, fence, then the rest. Everything read from the
 is bounded before use (a length past `capacity` is an error, never a read), and request
 bytes are parsed by the caller like gRPC's, so a crafted region gets an error reply, not
 a hang or a crash. The drafter's side polls with `os.sched_yield` (which releases the
-GIL) for `spin_s` after each request, then every `idle_poll_s`, doubling each idle second
-up to `max_idle_poll_s`: spinning while steps come every few milliseconds, next to
-nothing when idle (the first request after a long pause waits up to 10 ms). The target's side spins while it
+GIL) for `spin_s` after each request, then every `idle_poll_s`, doubling every
+`backoff_s` up to `max_idle_poll_s`: spinning while steps come every few milliseconds,
+next to nothing when idle (the first request after a pause waits up to 10 ms). The target's side spins while it
 waits (its engine thread would be blocked anyway) and gives up at the call's deadline, or
 as soon as the drafter's heartbeat stops (killed, stopped): UNAVAILABLE, as gRPC says for
 a drafter that went away.
@@ -166,18 +166,21 @@ ErrorStatus = Callable[[BaseException], tuple[grpc.StatusCode, str]]
 class ChannelServerConfig:
     spin_s: float = 0.02  # keep polling without sleeping this long after a request (a step is ~5-15 ms)
     idle_poll_s: float = 0.0005  # then poll this often ...
-    max_idle_poll_s: float = 0.01  # ... doubling after each second without requests, up to this
+    backoff_s: float = 0.05  # ... doubling the interval every this long without requests ...
+    max_idle_poll_s: float = 0.01  # ... up to this
 
     def __post_init__(self) -> None:
-        if self.spin_s < 0 or not 0 < self.idle_poll_s <= self.max_idle_poll_s:
-            raise ValueError(f"spin_s must be >= 0 and 0 < idle_poll_s <= max_idle_poll_s, got {self.spin_s}, "
-                             f"{self.idle_poll_s}, {self.max_idle_poll_s}")
+        if self.spin_s < 0 or self.backoff_s <= 0 or not 0 < self.idle_poll_s <= self.max_idle_poll_s:
+            raise ValueError(f"spin_s must be >= 0, backoff_s > 0 and 0 < idle_poll_s <= max_idle_poll_s, got "
+                             f"{self.spin_s}, {self.backoff_s}, {self.idle_poll_s}, {self.max_idle_poll_s}")
 
     def poll_interval(self, idle_s: float) -> float:
-        """Seconds to sleep between polls `idle_s` after the last request (0: spin)."""
+        """Seconds to sleep between polls `idle_s` after the last request (0: spin). An idle
+        drafter must not keep waking up on a machine the target and other services share."""
         if idle_s < self.spin_s:
             return 0.0
-        return min(self.idle_poll_s * 2 ** int(idle_s), self.max_idle_poll_s)
+        doublings = min(int((idle_s - self.spin_s) / self.backoff_s), 16)
+        return min(self.idle_poll_s * 2**doublings, self.max_idle_poll_s)
 
 
 class ChannelServer:

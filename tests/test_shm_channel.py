@@ -196,11 +196,11 @@ def test_the_region_must_be_the_size_its_capacity_needs():
 
 
 def test_the_server_spins_after_a_request_then_polls_ever_more_slowly():
-    config = ChannelServerConfig(spin_s=0.02, idle_poll_s=0.0005, max_idle_poll_s=0.01)
+    config = ChannelServerConfig(spin_s=0.02, idle_poll_s=0.0005, backoff_s=0.05, max_idle_poll_s=0.01)
     assert config.poll_interval(0.0) == config.poll_interval(0.019) == 0.0  # steps come every few ms: spin
-    assert config.poll_interval(0.5) == 0.0005
-    assert config.poll_interval(1.5) == 0.001 and config.poll_interval(3.2) == 0.004
-    assert config.poll_interval(60.0) == 0.01  # idle for a minute: 100 polls a second
+    assert config.poll_interval(0.03) == 0.0005
+    assert config.poll_interval(0.08) == 0.001 and config.poll_interval(0.18) == 0.004
+    assert config.poll_interval(0.3) == config.poll_interval(3600.0) == 0.01  # idle: 100 polls a second
 
 
 def _counting_server(path: str, ready, done) -> None:
