@@ -17,7 +17,7 @@ Region (`ChannelSpec`, placed by common/kv_layout.build_layout), little-endian u
     [4] reply_status  0 OK, else a grpc.StatusCode number; the reply bytes are its details
     [5] heartbeat_ns  the drafter's CLOCK_MONOTONIC, refreshed every HEARTBEAT_S while it serves
     [6] serving       1 while the drafter's server thread runs
-    [7] reserved
+    [7] poll_us       how long the drafter now sleeps between polls (0: spinning)
     then `capacity` bytes of request, then `capacity` bytes of reply.
 
 Writers store the payload, then its length, then (after a fence) the sequence number;
@@ -27,7 +27,10 @@ bytes are parsed by the caller like gRPC's, so a crafted region gets an error re
 a hang or a crash. The drafter's side polls with `os.sched_yield` (which releases the
 GIL) for `spin_s` after each request, then every `idle_poll_s`, doubling every
 `backoff_s` up to `max_idle_poll_s`: spinning while steps come every few milliseconds,
-next to nothing when idle (the first request after a pause waits up to 10 ms). The target's side spins while it
+next to nothing when idle. The interval is published (`poll_us`): a target whose drafter
+sleeps longer than 1 ms between polls sends that request over gRPC, which wakes the
+drafter at once and tells its thread to spin again (`note_activity`). The target's side
+spins while it
 waits (its engine thread would be blocked anyway) and gives up at the call's deadline, or
 as soon as the drafter's heartbeat stops (killed, stopped): UNAVAILABLE, as gRPC says for
 a drafter that went away.
@@ -47,7 +50,8 @@ import numpy as np
 from common.kv_layout import CHANNEL_HEADER_BYTES as HEADER_BYTES
 from common.kv_layout import ChannelSpec
 
-REQUEST_SEQ, REQUEST_LEN, REPLY_SEQ, REPLY_LEN, REPLY_STATUS, HEARTBEAT, SERVING = range(7)
+REQUEST_SEQ, REQUEST_LEN, REPLY_SEQ, REPLY_LEN, REPLY_STATUS, HEARTBEAT, SERVING, POLL_US = range(8)
+AWAKE_POLL_US = 1000  # a drafter polling at least this often answers the channel faster than gRPC
 HEARTBEAT_S = 0.01  # the drafter's heartbeat period
 STALE_HEARTBEAT_S = 0.5  # a heartbeat this old means the drafter stopped serving the channel
 
@@ -114,6 +118,12 @@ class ChannelClient:
     def serving(self) -> bool:
         region = self._region
         return region.word(SERVING) == 1 and self._heartbeat_age() < STALE_HEARTBEAT_S
+
+    def awake(self) -> bool:
+        """The drafter polls often enough that a request here beats gRPC's wake-up: after a pause
+        it sleeps up to 10 ms between polls, and a gRPC call, which wakes it at once, also
+        tells it to spin again (ChannelServer.note_activity)."""
+        return self._region.word(POLL_US) <= AWAKE_POLL_US
 
     def _heartbeat_age(self) -> float:
         return (time.monotonic_ns() - self._region.word(HEARTBEAT)) / 1e9
@@ -194,8 +204,10 @@ class ChannelServer:
         self._error_status = error_status
         self._config = config or ChannelServerConfig()
         self._stop = threading.Event()
+        self._last_request = time.monotonic()
         self._answered = self._region.word(REQUEST_SEQ)  # a request already there is not ours
         self._region.set_word(REPLY_SEQ, self._answered)
+        self._region.set_word(POLL_US, 0)
         self._beat()
         self._region.fence()
         self._region.set_word(SERVING, 1)
@@ -211,20 +223,29 @@ class ChannelServer:
         while not self._stop.wait(HEARTBEAT_S):
             self._beat()
 
+    def note_activity(self) -> None:
+        """A request came another way (gRPC): requests are coming, spin again."""
+        self._last_request = time.monotonic()
+        self._region.set_word(POLL_US, 0)
+
     def _serve(self) -> None:
         region, config = self._region, self._config
-        last_request = time.monotonic()
+        published = 0
         while not self._stop.is_set():
             seq = region.word(REQUEST_SEQ)
             if seq == self._answered:
-                if pause := config.poll_interval(time.monotonic() - last_request):
+                pause = config.poll_interval(time.monotonic() - self._last_request)
+                if (poll_us := int(pause * 1e6)) != published:
+                    region.set_word(POLL_US, poll_us)
+                    published = poll_us
+                if pause:
                     self._stop.wait(pause)
                 else:
                     os.sched_yield()
                 continue
             region.fence()
             self._answer(seq)
-            last_request = time.monotonic()
+            self._last_request = time.monotonic()
 
     def _answer(self, seq: int) -> None:
         region = self._region

@@ -245,13 +245,14 @@ class DrafterLink:
         self.state = LinkState.UNAVAILABLE
 
     def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
-        """Over the shm channel when the drafter answers there and the request fits, else gRPC."""
+        """Over the shm channel when the drafter answers there, is polling it (not asleep after a
+        pause: gRPC wakes it sooner) and the request fits; else gRPC."""
         self.num_proposes += 1
         self.propose_sequences += len(request.sequences)
         size = request.ByteSize()
         self.propose_bytes += size
         channel = self.shm_channel
-        if channel is not None and size <= channel.capacity:
+        if channel is not None and size <= channel.capacity and channel.awake():
             self.channel_proposes += 1
             reply = channel.call(request.SerializeToString(), self.config.propose_timeout_s)
             return parse_request(reply, dpb.ProposeResponse.FromString)  # the drafter's bytes: hostile as any

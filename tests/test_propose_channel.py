@@ -55,8 +55,9 @@ def test_an_ngram_drafter_maps_the_pool_for_the_channel_alone(target_model, tmp_
         reference, _ = generate(core, PROMPTS[0] * 3, speculate=False)
         tokens, _ = generate(core, PROMPTS[0] * 3)
         assert tokens == reference
-        assert core.link.num_proposes > 0
-        assert core.link.channel_proposes == (core.link.num_proposes if same_shm_dir else 0)
+        proposes, on_channel = core.link.num_proposes, core.link.channel_proposes
+        assert proposes > 0
+        assert (proposes - 2 <= on_channel) if same_shm_dir else (on_channel == 0)
     finally:
         core.close()
         service.kill()
@@ -108,7 +109,11 @@ def test_propose_goes_over_the_pool_channel_unless_told_grpc_and_is_lossless(tar
             assert tokens == reference
             assert usage.accepted_tokens == usage.draft_tokens > 0  # the target's own copy drafts
         proposes, on_channel = core.link.num_proposes, core.link.channel_proposes
-        assert proposes > 0 and on_channel == (proposes if transport == "auto" else 0)
+        assert proposes > 0
+        if transport == "auto":  # the first Propose after each pause (3 runs without drafts) may go by gRPC
+            assert proposes - 4 <= on_channel <= proposes
+        else:
+            assert on_channel == 0
     finally:
         core.close()
 

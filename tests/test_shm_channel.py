@@ -250,3 +250,22 @@ def test_across_processes_each_request_is_handled_exactly_once(tmp_path):
     finally:
         done.set()
         process.join(30)
+
+
+def test_a_drafter_asleep_between_polls_is_reached_over_grpc_and_woken_by_it():
+    """After a pause the server sleeps up to 10 ms between polls and says so: the client then
+    prefers gRPC (which wakes the drafter at once), and a request that came that way makes the
+    server spin again."""
+    buffer = region()
+    config = ChannelServerConfig(spin_s=0.001, idle_poll_s=0.002, backoff_s=0.001, max_idle_poll_s=0.004)
+    server = ChannelServer(buffer, CAPACITY, lambda raw: raw, error_status, config)
+    client = ChannelClient(buffer, CAPACITY)
+    try:
+        assert client.awake()  # it just started: spinning
+        threading.Event().wait(0.1)
+        assert not client.awake()  # asleep 4 ms between polls: gRPC would reach it sooner
+        server.note_activity()
+        assert client.awake()
+        assert client.call(b"still answered", timeout_s=10.0) == b"still answered"  # asleep or not
+    finally:
+        server.close()
