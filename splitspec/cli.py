@@ -201,7 +201,8 @@ def format_info(model: pb.ModelInfo, server: pb.ServerInfo) -> str:
     drafter_rows = [("status", status)]
     if drafter.status != pb.DrafterState.STATUS_NONE:
         drafter_rows += [("address", drafter.address or "-"), ("kind", drafter.kind or "-"),
-                         ("K", drafter.num_speculative_tokens), ("epoch", drafter.epoch)]
+                         ("K", drafter.num_speculative_tokens), ("epoch", drafter.epoch),
+                         ("propose over", drafter.propose_transport or "-")]
     if drafter.detail:
         drafter_rows.append(("detail", drafter.detail))
     lines += ["drafter", *_rows(drafter_rows)]

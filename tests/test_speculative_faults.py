@@ -77,6 +77,7 @@ def test_both_orders_are_agreed_and_used(target_model, draft_lm, tmp_path, order
         info = wait_drafter(address, READY)
         assert kv_pb.PageOrder.Name(info.kv_layout.order) == f"PAGE_ORDER_{order}"
         assert info.drafter.kind == "draft_model" and info.drafter.num_speculative_tokens == 4
+        assert info.drafter.propose_transport == "shm"  # the pool's channel: both map the file
         assert {spec.owner for spec in info.kv_layout.layers} == {1, 2}  # target and draft layers, one pool
         plain, _ = stream_tokens(address, request(PROMPTS[3], 20, disable=True))
         spec, complete = stream_tokens(address, request(PROMPTS[3], 20))
