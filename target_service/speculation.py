@@ -1,8 +1,9 @@
 """What the engine tells the drafter each step, and what it asks of it.
 
-After every forward, each sequence the drafter follows gets a `SequenceUpdate`: the
-tokens whose target KV now exists, the staging rows holding their hidden states, and
-the pages added to its page table. The next step's one batched `Propose` carries those
+After every forward, each sequence the drafter follows gets an update (`PendingUpdate`,
+sent as a `SequenceUpdate`): the tokens whose target KV now exists, the staging rows
+holding their hidden states, and the pages added to its page table. The next step's one
+batched `Propose` carries those
 updates together with the draft requests. A step that asks for no drafts sends no Propose:
 its updates wait for the next one that does (`StagedRows` keeps the hidden states such an
 update points at, which the next forward would overwrite). A sequence is speculated only if
@@ -31,6 +32,26 @@ from target_service.sequence import Sequence
 log = logging.getLogger(__name__)
 
 MAX_DEFERRED_RELEASES = 256  # released sequence ids that may wait for the next Propose
+
+
+@dataclass(slots=True)
+class PendingUpdate:
+    """A sequence's `SequenceUpdate` while it waits for a Propose: plain lists, extended step by
+    step (a step without drafts touches no protobuf), made a message only when it is sent."""
+
+    seq_id: int
+    context_start: int
+    context_token_ids: list[int]
+    staging_row: int
+    last_token_id: int
+    new_pages: list[int] = field(default_factory=list)
+    num_speculative_tokens: int = 0
+
+    def to_proto(self) -> dpb.SequenceUpdate:
+        return dpb.SequenceUpdate(seq_id=self.seq_id, context_start=self.context_start,
+                                  context_token_ids=self.context_token_ids, staging_row=self.staging_row,
+                                  new_pages=self.new_pages, last_token_id=self.last_token_id,
+                                  num_speculative_tokens=self.num_speculative_tokens)
 
 
 @dataclass
@@ -74,7 +95,7 @@ class StagedRows:
         self.used = end
         self.fresh.clear()
 
-    def restage(self, staging: torch.Tensor, updates: dict[int, dpb.SequenceUpdate]) -> None:
+    def restage(self, staging: torch.Tensor, updates: dict[int, PendingUpdate]) -> None:
         """Each update's held rows, then its fresh ones, packed from row 0 of `staging`; the
         caller guaranteed they fit (`rows_after_holding` was checked against every deferral)."""
         if not self.held:
@@ -121,7 +142,7 @@ class Speculator:
     disable_batch_size: int | None = None  # no drafts while this many sequences or more run
     max_num_batched_tokens: int | None = None  # the step's token budget (caps the policy's base width)
     policy: DraftPolicy | None = None  # how many drafts per step; None → a fixed K (set in __post_init__)
-    _pending: dict[int, dpb.SequenceUpdate] = field(default_factory=dict)
+    _pending: dict[int, PendingUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
     _staged: StagedRows = field(default_factory=StagedRows)
     _probe_turn: int = 0
@@ -244,8 +265,9 @@ class Speculator:
             if s.seq.seq_id in updates:
                 self._attach_new_pages(updates[s.seq.seq_id], s.seq)
         request = dpb.ProposeRequest(target_id=self.shared.layout.target_id, epoch=self.epoch,
-                                     sequences=list(updates.values()), released_seq_ids=self._released)
-        drafting = {u.seq_id for u in request.sequences if u.num_speculative_tokens}
+                                     sequences=[u.to_proto() for u in updates.values()],
+                                     released_seq_ids=self._released)
+        drafting = {u.seq_id for u in updates.values() if u.num_speculative_tokens}
         rows_behind = sum(self._behind.pop(seq_id, 0) for seq_id in drafting)  # a drafter may put context
         self._pending.clear()  # off until the sequence drafts: the others stay behind
         self._released.clear()
@@ -314,14 +336,15 @@ class Speculator:
             metrics.invalid_drafts.inc(invalid)
         return drafts
 
-    def _empty_update(self, seq: Sequence) -> dpb.SequenceUpdate:
-        return dpb.SequenceUpdate(seq_id=seq.seq_id, context_start=seq.num_computed_tokens,
-                                  last_token_id=seq.token_ids[seq.num_computed_tokens])
+    @staticmethod
+    def _empty_update(seq: Sequence) -> PendingUpdate:
+        return PendingUpdate(seq.seq_id, seq.num_computed_tokens, [], 0, seq.token_ids[seq.num_computed_tokens])
 
     @staticmethod
-    def _attach_new_pages(update: dpb.SequenceUpdate, seq: Sequence) -> None:
-        update.new_pages.extend(seq.page_table[seq.drafter_pages_sent :])
-        seq.drafter_pages_sent = len(seq.page_table)
+    def _attach_new_pages(update: PendingUpdate, seq: Sequence) -> None:
+        if seq.drafter_pages_sent < len(seq.page_table):
+            update.new_pages.extend(seq.page_table[seq.drafter_pages_sent :])
+            seq.drafter_pages_sent = len(seq.page_table)
 
     def record_step(self, scheduled: list[ScheduledSeq], drafts: dict[int, list[int]],
                     computed_before: list[int], row_starts: list[int]) -> None:
@@ -344,13 +367,8 @@ class Speculator:
                 update.context_token_ids.extend(seq.token_ids[start : start + count])
                 update.last_token_id = seq.token_ids[seq.num_computed_tokens]
             else:
-                update = dpb.SequenceUpdate(
-                    seq_id=seq.seq_id,
-                    context_start=start,
-                    context_token_ids=seq.token_ids[start : start + count],
-                    staging_row=row,
-                    last_token_id=seq.token_ids[seq.num_computed_tokens],
-                )
+                update = PendingUpdate(seq.seq_id, start, seq.token_ids[start : start + count], row,
+                                       seq.token_ids[seq.num_computed_tokens])
             self._staged.note_fresh(seq.seq_id, row, count)
             self._attach_new_pages(update, seq)
             self._pending[seq.seq_id] = update
