@@ -159,3 +159,34 @@ def test_a_drafter_gone_from_the_channel_is_noticed_by_its_heartbeat(target_mode
         if sig == signal.SIGSTOP:
             drafter.signal(signal.SIGCONT)
         core.close()
+
+
+def test_a_propose_that_woke_a_sleeping_drafter_does_not_price_steady_drafting(target_model, drafter, tmp_path):
+    """After a pause the drafter's channel thread sleeps between polls, so the target sends the
+    next Propose by gRPC, which wakes it. That call costs a wake-up a step of steady drafting
+    does not: it is not learnt as the steady Propose cost (it made wide drafts look dear)."""
+    import time
+
+    core = engine(target_model, drafter, tmp_path)
+    try:
+        learnt: list[int] = []
+        record = core.speculator.policy.record_propose
+        core.speculator.policy.record_propose = lambda width, seconds: (learnt.append(width), record(width, seconds))
+        core.add(EngineRequest("paused", tuple(core.tokenizer.encode(PROMPTS[0])),
+                               stop=StopParams(max_tokens=40, ignore_eos=True)))
+        for _ in range(6):  # the prompt, then steady drafting over the channel
+            core.step()
+        steady, on_channel = len(learnt), core.link.channel_proposes
+        assert steady > 0
+        time.sleep(0.5)  # the drafter backs off to 10 ms polls: asleep
+        assert not core.link.shm_channel.awake()
+        core.step()  # this Propose goes by gRPC and wakes it ...
+        assert core.link.woke_drafter and core.link.channel_proposes == on_channel
+        assert len(learnt) == steady  # ... and is not learnt as steady drafting
+        core.step()
+        assert not core.link.woke_drafter and core.link.channel_proposes == on_channel + 1  # spinning again
+        assert len(learnt) == steady + 1
+        while core.has_work():
+            core.step()
+    finally:
+        core.close()
