@@ -34,9 +34,13 @@ pytestmark = pytest.mark.slow
 MAX_WAITING = 8
 MAX_NUM_SEQS = 4
 FLOOD = 2000
-# Growth of the target's RSS from one flood to the next (the first one warms allocators
-# and gRPC's buffers up): a leak of even 10 KiB per request would show as 20 MiB.
+# Growth of the target's RSS from one flood to the next, after a first flood that warms
+# allocators and gRPC's buffers up: a leak of even 10 KiB per request would show as 20 MiB
+# in every flood. The smaller of two later floods' growths is bounded: warming up can spill
+# into the second flood (once in CI: +7.6 then +27.4 MiB, 35 in all as usual), a leak cannot
+# stay out of the third.
 RSS_GROWTH_BOUND_KIB = 16 * 1024
+FLOODS = 3
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +104,7 @@ def test_a_flood_is_refused_beyond_the_queue_bound_and_memory_stays_bounded(targ
     outcomes = []
     started = time.monotonic()
     try:
-        for _ in range(2):
+        for _ in range(FLOODS):
             outcomes.append(flood(address, FLOOD))
             wait_idle(address)
             rss.append(rss_kib(target.proc.pid))
@@ -108,13 +112,14 @@ def test_a_flood_is_refused_beyond_the_queue_bound_and_memory_stays_bounded(targ
         stop.set()
         watcher.join()
     elapsed = time.monotonic() - started
-    print(f"\nflood: 2 x {FLOOD} requests in {elapsed:.1f} s: {[dict(o) for o in outcomes]}; waiting peaked at "
+    print(f"\nflood: {FLOODS} x {FLOOD} requests in {elapsed:.1f} s: {[dict(o) for o in outcomes]}; waiting peaked at "
           f"{most_waiting[0]}; target RSS {' -> '.join(f'{r / 1024:.1f}' for r in rss)} MiB")
     for outcome in outcomes:
         assert set(outcome) <= {"OK", "RESOURCE_EXHAUSTED", "CANCELLED"}, outcome  # CANCELLED: see the top
         assert outcome["RESOURCE_EXHAUSTED"] > FLOOD // 2, outcome  # the bound held...
         assert outcome["OK"] >= MAX_NUM_SEQS + MAX_WAITING, outcome  # ...and the admitted ones were served
     assert most_waiting[0] <= MAX_WAITING
-    assert rss[2] - rss[1] < RSS_GROWTH_BOUND_KIB, f"RSS grew {(rss[2] - rss[1]) / 1024:.1f} MiB in the second flood"
+    growth = min(rss[2] - rss[1], rss[3] - rss[2])
+    assert growth < RSS_GROWTH_BOUND_KIB, f"RSS grew at least {growth / 1024:.1f} MiB in each flood after the first"
     tokens, complete = stream_tokens(address, pb.GenerateRequest(text=PROMPTS[1], stop=pb.StopParams(max_tokens=6)))
     assert complete.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP) and tokens  # still serving
