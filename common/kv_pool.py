@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common.kv_layout import KVLayout, LayerSpec, KV_DTYPES
+from common.kv_layout import KV_DTYPES, KVLayout, LayerSpec
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +190,13 @@ class PagePool:
             raw = self._bytes[spec.offset : spec.offset + spec.nbytes]
             self._staging = raw.view(KV_DTYPES[spec.dtype]).view(spec.rows, spec.width)
         return self._staging
+
+    def channel_buffer(self) -> memoryview:
+        """The Propose channel's region (common/shm_channel.py) as the channel's ends take it."""
+        spec = self.layout.channel
+        if spec is None:
+            raise ValueError("this KV layout has no Propose channel")
+        return memoryview(self._bytes[spec.offset : spec.offset + spec.nbytes].numpy())
 
     def raw_bytes(self) -> torch.Tensor:
         return self._bytes

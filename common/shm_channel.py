@@ -8,7 +8,8 @@ VM); a counter polled by a waiting thread is seen in microseconds. vLLM's shm me
 queue (vllm/distributed/device_communicators/shm_broadcast.py) makes the same trade for
 its scheduler → worker broadcast: a thread that spins while traffic is expected.
 
-Region (`ChannelSpec`, placed by common/kv_layout.build_layout), little-endian u64 words:
+Region (`ChannelSpec`, placed by common/kv_layout.build_layout), u64 words in the machine's
+own byte order (both processes run on it):
 
     [0] request_seq   the target's: bumped after each request is written
     [1] request_len
@@ -30,10 +31,9 @@ GIL) for `spin_s` after each request, then every `idle_poll_s`, doubling every
 next to nothing when idle. The interval is published (`poll_us`): a target whose drafter
 sleeps longer than 1 ms between polls sends that request over gRPC, which wakes the
 drafter at once and tells its thread to spin again (`note_activity`). The target's side
-spins while it
-waits (its engine thread would be blocked anyway) and gives up at the call's deadline, or
-as soon as the drafter's heartbeat stops (killed, stopped): UNAVAILABLE, as gRPC says for
-a drafter that went away.
+spins while it waits (its engine thread would be blocked anyway) and gives up at the
+call's deadline, or as soon as the drafter's heartbeat stops (killed, stopped):
+UNAVAILABLE, as gRPC says for a drafter that went away.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class ChannelClient:
             if polls % 256 == 0:
                 if time.monotonic() > deadline:
                     raise ChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout_s:g} s")
-                if region.word(SERVING) != 1 or self._heartbeat_age() > STALE_HEARTBEAT_S:
+                if not self.serving():
                     raise ChannelError(grpc.StatusCode.UNAVAILABLE, "the drafter stopped serving the shm channel")
             os.sched_yield()
         region.fence()
@@ -256,7 +256,7 @@ class ChannelServer:
             reply, status = self._handler(region.read(REQUEST_AREA, length)), 0
             if len(reply) > region.capacity:
                 raise ChannelRequestTooLarge(len(reply), region.capacity, what="reply")
-        except Exception as exc:  # every failure is an answer: the target must not wait out its deadline
+        except Exception as exc:  # noqa: BLE001 - every failure is an answer: the target must not wait out its deadline
             code, details = self._error_status(exc)
             reply, status = details.encode("utf-8")[: region.capacity], code.value[0]
         region.write(REPLY_AREA, reply)
@@ -267,7 +267,7 @@ class ChannelServer:
         self._answered = seq
 
     def close(self) -> None:
-        """Stop answering (the target then sees `serving` drop and uses gRPC, or fails over)."""
+        """Stop answering: a call waiting on the channel then ends UNAVAILABLE."""
         self._stop.set()
         for thread in self._threads:
             if thread is not threading.current_thread():

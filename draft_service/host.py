@@ -2,8 +2,9 @@
 
 Negotiate (the target's facts) → Attach (layout, pool, canary) → Propose / Release
 (docs/design.md#the-handshake). Every call — handshakes, forwards — runs on the event
-loop's thread, one at a time in arrival order, so the host needs no locks; only model
-loading (before the drafter is handed to the host) and the final close run elsewhere.
+loop's thread, or a `Propose` on the shm channel's thread, one at a time under the host's
+lock (draft_service/server.py); only model loading (before the drafter is handed to the
+host) and the final close run elsewhere.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import torch
 from common.drafter_facts import DrafterFacts
 from common.kv_layout import KVLayout, LayerSpec, LayoutNotResolvedError, canonical_kv_dtype, resolve_order
 from common.pool_exports import MappedExports
-from common.shm_channel import ChannelServer, ErrorStatus, Handler
-from common.shm_file import PoolAccessDenied
 from common.pool_transport import (
     Canary,
     TorchBuild,
@@ -31,6 +30,8 @@ from common.pool_transport import (
     read_canary,
     sync_for_handoff,
 )
+from common.shm_channel import ChannelServer, ErrorStatus, Handler
+from common.shm_file import PoolAccessDenied
 from draft_service.drafters import Drafter, TargetInfo, Update
 from draft_service.drafters.base import mismatch, raise_mismatches
 from draft_service.metrics import DrafterMetrics
@@ -127,9 +128,10 @@ def _draft_layer_key(spec: LayerSpec) -> tuple:
 
 
 class DrafterHost:
-    """The drafter plus its handshake state; every method runs on the event loop's thread."""
+    """The drafter plus its handshake state; its calls hold `lock` (the event loop's thread and
+    the shm channel's call in)."""
 
-    def __init__(self, metrics: DrafterMetrics | None = None, channel: ChannelService | None = None) -> None:
+    def __init__(self, metrics: DrafterMetrics | None = None) -> None:
         self.drafter: Drafter | None = None
         self.negotiated: _Negotiated | None = None
         self.max_model_len = 0
@@ -139,7 +141,7 @@ class DrafterHost:
         # (draft_service/server.py), and the channel is stopped before one that replaces
         # what it serves (Negotiate, Attach, a detach), never while holding the lock.
         self.lock = threading.Lock()
-        self.channel_service = channel  # None: Propose over gRPC only (an in-process host)
+        self.channel_service: ChannelService | None = None  # set by the server; None: Propose over gRPC only
         self._channel: ChannelServer | None = None
 
     def serve(self, drafter: Drafter) -> None:
@@ -241,8 +243,7 @@ class DrafterHost:
             raise InvalidArgumentError("layout.channel", f"{channel.nbytes} bytes at {channel.offset} do not fit the "
                                        f"pool before its trailer ({layout.trailer_offset}), or capacity "
                                        f"{channel.capacity} exceeds {MAX_CHANNEL_CAPACITY}")
-        region = pool.raw_bytes()[channel.offset : channel.offset + channel.nbytes]  # [nbytes] uint8
-        self._channel = ChannelServer(memoryview(region.numpy()), channel.capacity, service.handler,
+        self._channel = ChannelServer(pool.channel_buffer(), channel.capacity, service.handler,
                                       service.error_status, name=f"channel-e{layout.epoch}")
         log.info("answering Propose on the pool's shm channel too (%d KiB each way)", channel.capacity // 1024)
         return True

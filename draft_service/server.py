@@ -32,7 +32,14 @@ from common.shm_file import PoolAccessDenied
 from common.threads import apply_threads, drafter_threads
 from draft_service import convert
 from draft_service.drafters import DrafterConfig, IncompatibleTargetError, load_drafter
-from draft_service.host import ChannelService, DrafterHost, HandshakeError, InvalidArgumentError, MiB, NotReadyError
+from draft_service.host import (
+    ChannelService,
+    DrafterHost,
+    HandshakeError,
+    InvalidArgumentError,
+    MiB,
+    NotReadyError,
+)
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 

@@ -56,9 +56,12 @@ def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_t
         return 0
     plain = num_seqs / forward_seconds(base_tokens)
     rates = [plain]  # by k
+    tokens, survive = 1.0, 1.0  # expected_tokens(acceptance, k), accumulated as k grows
     for k in range(1, max_k + 1):
+        survive *= acceptance[k - 1]
+        tokens += survive
         seconds = forward_seconds(base_tokens + num_seqs * k) + propose_seconds(num_seqs * (k + 1)) + catch_up_seconds
-        rates.append(num_seqs * expected_tokens(acceptance, k) / seconds)
+        rates.append(num_seqs * tokens / seconds)
     best = max(range(1, max_k + 1), key=rates.__getitem__)
     if rates[best] <= plain * (1.0 + min_gain):
         return 0  # drafts must beat no drafts by min_gain: a measured cost is noisy, a Propose is not free
@@ -304,10 +307,8 @@ class DraftPolicy:
 
     def forget_measurements(self) -> None:
         """Drop everything measured (after warmup, whose first calls pay one-time costs)."""
-        self.acceptance.reset()
+        self.new_epoch()
         self.forward.clear()
-        self.propose.clear()
-        self.catch_up_per_row = None
         self._since_probe = self._probe_gap = 0
 
     def record_forward(self, query_tokens: int, seconds: float) -> None:

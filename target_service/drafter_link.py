@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.auth import auth_metadata
 from common.drafter_facts import DrafterFacts
 from common.grpc_errors import parse_request
-from common.shm_channel import ChannelClient, ChannelError
 from common.layout_proto import drafter_facts_from_proto
+from common.shm_channel import ChannelClient, ChannelError
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 

@@ -120,8 +120,7 @@ class SharedPool:
         channel = self.layout.channel
         if channel is None:  # a drafter claiming a channel we never offered: gRPC it is
             return None
-        region = self.pool.raw_bytes()[channel.offset : channel.offset + channel.nbytes]  # [nbytes] uint8
-        return ChannelClient(memoryview(region.numpy()), channel.capacity)
+        return ChannelClient(self.pool.channel_buffer(), channel.capacity)
 
     def describe_drafter(self) -> dict:
         return self.link.describe(self.layout.epoch) if self.link is not None else dict(NO_DRAFTER)

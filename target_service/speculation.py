@@ -3,12 +3,11 @@
 After every forward, each sequence the drafter follows gets an update (`PendingUpdate`,
 sent as a `SequenceUpdate`): the tokens whose target KV now exists, the staging rows
 holding their hidden states, and the pages added to its page table. The next step's one
-batched `Propose` carries those
-updates together with the draft requests. A step that asks for no drafts sends no Propose:
-its updates wait for the next one that does (`StagedRows` keeps the hidden states such an
-update points at, which the next forward would overwrite). A sequence is speculated only if
-the drafter of the current epoch saw it from position 0; any failure ends the epoch, so no
-half-delivered update is ever trusted.
+batched `Propose` carries those updates together with the draft requests. A step that asks
+for no drafts sends no Propose: its updates wait for the next one that does (`StagedRows`
+keeps the hidden states such an update points at, which the next forward would overwrite).
+A sequence is speculated only if the drafter of the current epoch saw it from position 0;
+any failure ends the epoch, so no half-delivered update is ever trusted.
 """
 
 from __future__ import annotations
@@ -267,8 +266,8 @@ class Speculator:
         request = dpb.ProposeRequest(target_id=self.shared.layout.target_id, epoch=self.epoch,
                                      sequences=[u.to_proto() for u in updates.values()],
                                      released_seq_ids=self._released)
-        drafting = {u.seq_id for u in updates.values() if u.num_speculative_tokens}
-        rows_behind = sum(self._behind.pop(seq_id, 0) for seq_id in drafting)  # a drafter may put context
+        asked = {u.seq_id: u.num_speculative_tokens for u in updates.values() if u.num_speculative_tokens}
+        rows_behind = sum(self._behind.pop(seq_id, 0) for seq_id in asked)  # a drafter may put context
         self._pending.clear()  # off until the sequence drafts: the others stay behind
         self._released.clear()
         self._staged.clear()
@@ -281,12 +280,11 @@ class Speculator:
             return {}
         elapsed = time.monotonic() - started
         metrics.propose_latency.observe(elapsed)
-        asked = [u.num_speculative_tokens for u in request.sequences if u.num_speculative_tokens]
         if asked:
             # Priced by draft positions, n·(k+1), in steady state: what drafting every step costs. A
             # call that also catches the drafter up (a prompt, or steps that asked for no drafts) costs
             # more once: that is learnt per row apart, and charged only to steps that would catch up.
-            positions = sum(asked) + len(asked)
+            positions = sum(asked.values()) + len(asked)
             if rows_behind:
                 self.policy.record_catch_up(positions, rows_behind, elapsed)
             elif not self.link.woke_drafter:  # waking a drafter asleep on its channel is not what a step costs

@@ -1,9 +1,11 @@
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.procs import private_shm_dir
+from tests.tiny_models import TARGET_LAYERS, make_qwen3
 
 
 def pytest_configure(config):
@@ -20,6 +22,20 @@ def shm_dir():
     leftovers = list(path.iterdir())
     shutil.rmtree(path, ignore_errors=True)
     assert not leftovers, f"files left in the shm dir: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def target_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3 target with the layers a reference DFlash drafter reads (per test module)."""
+    return make_qwen3(tmp_path_factory.mktemp("target"), num_hidden_layers=TARGET_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def draft_lm(target_model, tmp_path_factory) -> Path:
+    """A copy of the target: its drafts are the target's argmax, so every one is accepted."""
+    out = tmp_path_factory.mktemp("draft") / "lm"
+    shutil.copytree(target_model, out)
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,6 @@ the drafter is `splitspec-draft`, a separate process mapping the same pool file.
 
 from __future__ import annotations
 
-import shutil
 import signal
 from pathlib import Path
 
@@ -19,23 +18,10 @@ from target_service.api_types import EngineRequest, SpeculationParams, StopParam
 from target_service.config import EngineConfig
 from target_service.engine import build_engine_core
 from tests.procs import TOKEN, Service
-from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3
+from tests.tiny_models import PROMPTS
 
 pytestmark = pytest.mark.slow
 K = 4
-
-
-@pytest.fixture(scope="module")
-def target_model(tmp_path_factory) -> Path:
-    return make_qwen3(tmp_path_factory.mktemp("target"), num_hidden_layers=TARGET_LAYERS)
-
-
-@pytest.fixture(scope="module")
-def draft_lm(target_model, tmp_path_factory) -> Path:
-    """A copy of the target: every draft is accepted."""
-    out = tmp_path_factory.mktemp("draft") / "lm"
-    shutil.copytree(target_model, out)
-    return out
 
 
 @pytest.mark.parametrize("same_shm_dir", [True, False])

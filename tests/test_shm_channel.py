@@ -10,6 +10,7 @@ import mmap
 import multiprocessing
 import random
 import threading
+import time
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from common.kv_layout import ChannelSpec
 from common.shm_channel import (
     HEADER_BYTES,
+    HEARTBEAT,
     REPLY_LEN,
     REPLY_SEQ,
     REPLY_STATUS,
@@ -85,7 +87,7 @@ def test_an_error_is_an_answer_with_grpc_s_code_and_the_channel_keeps_serving(ec
 
 
 def test_a_request_larger_than_the_channel_is_refused_before_it_is_written(echo):
-    buffer, client, calls = echo
+    _, client, calls = echo
     with pytest.raises(ValueError, match=f"does not fit the channel's {CAPACITY}"):
         client.call(b"y" * (CAPACITY + 1), timeout_s=10.0)
     assert not calls
@@ -109,47 +111,49 @@ def test_a_crafted_request_length_gets_an_error_reply_not_a_read_past_the_region
     assert client.call(b"after", timeout_s=10.0) == b"retfa"  # still serving
 
 
-def test_a_crafted_reply_is_bounded_before_it_is_read():
+def call_against_a_rogue_server(write_reply) -> ChannelError:
+    """The client's call against a "server" that answers by writing the region by hand
+    (`write_reply(words)`, then the reply counter), beating the heartbeat once so that the
+    client waits for that answer; the error the call raised."""
     buffer = region()
     words = _Region(buffer, CAPACITY)
     words.set_word(SERVING, 1)
+    words.set_word(HEARTBEAT, time.monotonic_ns())
     client = ChannelClient(buffer, CAPACITY)
 
     def rogue_server() -> None:
         while words.word(REQUEST_SEQ) == 0:
             pass
-        words.set_word(REPLY_LEN, CAPACITY + 1)  # more than the reply area holds
-        words.set_word(REPLY_STATUS, 0)
+        write_reply(words)
         words.set_word(REPLY_SEQ, words.word(REQUEST_SEQ))
 
     thread = threading.Thread(target=rogue_server)
     thread.start()
-    with pytest.raises(ChannelError, match="claims 4097 bytes") as bad:
-        client.call(b"hello", timeout_s=10.0)
-    thread.join()
-    assert bad.value.code == grpc.StatusCode.INTERNAL
+    try:
+        with pytest.raises(ChannelError) as bad:
+            client.call(b"hello", timeout_s=10.0)
+    finally:
+        thread.join()
+    return bad.value
+
+
+def test_a_crafted_reply_is_bounded_before_it_is_read():
+    def too_long(words: _Region) -> None:
+        words.set_word(REPLY_LEN, CAPACITY + 1)  # more than the reply area holds
+        words.set_word(REPLY_STATUS, 0)
+
+    bad = call_against_a_rogue_server(too_long)
+    assert bad.code == grpc.StatusCode.INTERNAL
+    assert "claims 4097 bytes" in bad.details
 
 
 def test_a_reply_with_an_unknown_status_is_unknown_not_a_crash():
-    buffer = region()
-    words = _Region(buffer, CAPACITY)
-    words.set_word(SERVING, 1)
-    client = ChannelClient(buffer, CAPACITY)
-
-    def rogue_server() -> None:
-        while words.word(REQUEST_SEQ) == 0:
-            pass
+    def unknown_status(words: _Region) -> None:
         words.write(1, b"\xff\xfe not utf-8")
         words.set_word(REPLY_LEN, 13)
         words.set_word(REPLY_STATUS, 12345)
-        words.set_word(REPLY_SEQ, 1)
 
-    thread = threading.Thread(target=rogue_server)
-    thread.start()
-    with pytest.raises(ChannelError) as bad:
-        client.call(b"hello", timeout_s=10.0)
-    thread.join()
-    assert bad.value.code == grpc.StatusCode.UNKNOWN
+    assert call_against_a_rogue_server(unknown_status).code == grpc.StatusCode.UNKNOWN
 
 
 def test_a_stopped_server_is_unavailable_at_once_not_at_the_deadline():

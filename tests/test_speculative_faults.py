@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
 import threading
 from collections import Counter
@@ -26,19 +25,6 @@ from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference
 pytestmark = pytest.mark.slow
 READY = pb.DrafterState.STATUS_READY
 UNAVAILABLE = pb.DrafterState.STATUS_UNAVAILABLE
-
-
-@pytest.fixture(scope="module")
-def target_model(tmp_path_factory) -> Path:
-    return make_qwen3(tmp_path_factory.mktemp("target"), num_hidden_layers=TARGET_LAYERS)
-
-
-@pytest.fixture(scope="module")
-def draft_lm(target_model, tmp_path_factory) -> Path:
-    """A copy of the target: its drafts are the target's argmax."""
-    out = tmp_path_factory.mktemp("draft") / "lm"
-    shutil.copytree(target_model, out)
-    return out
 
 
 def target_args(model: Path, shm_dir: Path, *extra: str) -> list[str]:
