@@ -1,6 +1,7 @@
 """Train the bundled demo models: a tokenizer, a Qwen3 target and two drafters for it.
 
-    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~2.3 h on 2 idle CPU cores)
+    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~3.3 h on 2 idle CPU cores)
+    .venv/bin/python scripts/train_demo.py --target-from demo --out demo-new   # the drafters only (~2 h)
     .venv/bin/python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, seconds (CI)
 
 The full run is meant to take several sessions: stop it whenever (Ctrl-C, kill -9, a lost
@@ -37,9 +38,13 @@ Output, in the real Hugging Face formats (safetensors stored in bfloat16, script
                  then distilled on the target's greedy continuations.
 - `training.json` sizes, corpus sources, steps, loss curves, stage times and resumes of the run.
 
+`--target-from DIR` keeps the tokenizer and target of an earlier run's output (copied to
+`--out` byte for byte; `training.json` carries their record) and trains the drafters only:
+a new drafter recipe does not retrain a target that took an hour.
+
 Stages: tokenizer → target (bf16 autocast, fp32 weights, torch.compile'd unless
 `--no-compile`) → greedy continuations of the target as served (its weights rounded to
-bf16, computed in fp32) from 10,240 prompts cut out of the training text, with the
+bf16, computed in fp32) from 30,720 prompts cut out of the training text, with the
 target's hidden states taken from the decoding forwards → DFlash → draft_model. Step
 throughput of each stage: bench/train_steps.py.
 """
@@ -112,6 +117,70 @@ class Context:
     policy: CheckpointPolicy
     options: StepOptions
     pause: PausePoint | None = None
+    target_from: PretrainedTarget | None = None  # drafters only: the target and tokenizer of an earlier run
+
+
+# ---------------------------------------------------------------------------------------
+# An earlier run's target (`--target-from`): retrain the drafters only
+
+
+TARGET_FIELDS = ("vocab_size", "hidden", "layers", "intermediate", "heads", "kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class PretrainedTarget:
+    """The tokenizer and target of an earlier run's output folder, and that run's record of them."""
+
+    folder: Path
+    history: dict  # its training.json
+
+    @classmethod
+    def open(cls, folder: Path, sizes: Sizes) -> PretrainedTarget:
+        """Refuses a folder that is not a complete train_demo.py output, or whose target differs
+        from `sizes` in shape (the drafters are sized for it, DFlash reads its layers)."""
+        missing = [name for name in ("tokenizer/tokenizer.json", "target/config.json", "target/model.safetensors",
+                                     "training.json") if not (folder / name).is_file()]
+        if missing:
+            raise ResumeRefused(f"--target-from {folder}: not a train_demo.py output, missing {', '.join(missing)}")
+        history = json.loads((folder / "training.json").read_text())
+        recorded = history.get("sizes", {})
+        differences = [f"{name}: {recorded.get(name, '(absent)')} there, {getattr(sizes, name)} in this recipe"
+                       for name in TARGET_FIELDS if recorded.get(name) != getattr(sizes, name)]
+        if differences:
+            raise ResumeRefused(f"--target-from {folder}: its target is not this recipe's: {'; '.join(differences)}")
+        return cls(folder, history)
+
+    def identity(self) -> dict:
+        """What the drafters are trained for: the bytes of the target's weights and tokenizer."""
+        return {name: file_sha256(self.folder / name) for name in ("target/model.safetensors",
+                                                                   "tokenizer/tokenizer.json")}
+
+    def load_model(self):
+        """The target in float32 (its stored bf16 values, exactly)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.folder / "target", torch_dtype=torch.float32)
+
+    def record(self) -> dict:
+        """The target's own training record, carried into this run's training.json."""
+        h = self.history
+        return {"target_from": h.get("target_from", {"run_seconds": h.get("total_seconds")})
+                | {"sha256": self.identity()},
+                "target_final_loss": h.get("target_final_loss"),
+                "target_heldout_perplexity": h.get("target_heldout_perplexity"),
+                "target_loss_curve": h.get("loss_curves", {}).get("target"),
+                "target_seconds": h.get("stage_seconds", {}).get("target", 0.0),
+                "target_resumed_from": h.get("resumed_from", {}).get("target", [])}
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,7 +211,9 @@ def tokenizer_stage(ctx: Context, sources: list[Source]):
 
     folder, streams_file = ctx.work.file("tokenizer"), ctx.work.file("streams.pt")
     started = time.monotonic()
-    if not folder.is_dir():
+    if not folder.is_dir() and ctx.target_from is not None:
+        publish_dir(lambda tmp: shutil.copytree(ctx.target_from.folder / "tokenizer", tmp, dirs_exist_ok=True), folder)
+    elif not folder.is_dir():
         stdlib = next(s for s in sources if s.name == "stdlib")
         publish_dir(lambda tmp: train_bpe_tokenizer(stdlib.texts, ctx.sizes.vocab_size, tmp), folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)  # read back in every session alike
@@ -334,10 +405,13 @@ def draft_model_stage(ctx: Context, streams: Streams, data: Continuations, token
 # The run
 
 
-def run_identity(sizes: Sizes, sources: list[Source]) -> dict:
+def run_identity(sizes: Sizes, sources: list[Source], target_from: PretrainedTarget | None = None) -> dict:
     """What a work folder's run is: a rerun must match it to continue it."""
     recipe = {k: v for k, v in asdict(sizes).items() if k != "threads"}
-    return {"sizes": recipe, "seed": SEED, "corpus": {s.name: s.digest() for s in sources}}
+    identity = {"sizes": recipe, "seed": SEED, "corpus": {s.name: s.digest() for s in sources}}
+    if target_from is not None:
+        identity["target_from"] = target_from.identity()
+    return identity
 
 
 def corpus_record(sources: list[Source], streams: Streams) -> list[dict]:
@@ -357,55 +431,70 @@ def dir_megabytes(path: Path) -> float:
 
 def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: CheckpointPolicy = CheckpointPolicy(),
         pause: PausePoint | None = None, restart: bool = False, keep_work: bool = False,
-        compile_steps: bool = False) -> dict:
+        compile_steps: bool = False, target_from: Path | None = None) -> dict:
+    """Train everything, or (`target_from`: an earlier run's output) the drafters for its target."""
     torch.set_num_threads(sizes.threads)
+    pretrained = PretrainedTarget.open(target_from, sizes) if target_from is not None else None
     sources, held = load_corpus(sizes.corpus, sizes.max_files)
     for source in sources:
         log(f"corpus: {source.name}: {len(source.files)} files, {source.megabytes:.2f} MB")
-    work = WorkDir(work_dir or out.with_name(out.name + ".partial"), run_identity(sizes, sources), restart)
+    work = WorkDir(work_dir or out.with_name(out.name + ".partial"), run_identity(sizes, sources, pretrained),
+                   restart)
     if compile_steps:  # compiled kernels live (across sessions) and go with the work folder
         keep_temp_files_in(work.file("tmp"))
-    ctx = Context(sizes, work, policy, StepOptions(precision=sizes.precision, compile=compile_steps), pause)
+    ctx = Context(sizes, work, policy, StepOptions(precision=sizes.precision, compile=compile_steps), pause,
+                  pretrained)
 
     tokenizer, streams = tokenizer_stage(ctx, sources)
     log(f"token streams: {dict(zip(streams.names, (s.numel() for s in streams.streams)))}")
-    target, target_run = target_stage(ctx, streams, tokenizer)
+    if pretrained is None:
+        target, target_run = target_stage(ctx, streams, tokenizer)
+        target_record = {"target_final_loss": target_run.tail_mean("loss"),
+                         "target_heldout_perplexity": target_run.evaluations,  # fp32-from-bf16, during training
+                         "target_loss_curve": target_run.curve("loss"), "target_seconds": target_run.seconds,
+                         "target_resumed_from": target_run.resumed_from}
+    else:
+        target, target_record = pretrained.load_model(), pretrained.record()
+        log(f"target: {target_from}/target, trained by an earlier run; training the drafters only")
     served = served_copy(target)
     data, continuations = continuations_stage(ctx, served, streams, tokenizer.eos_token_id)
     dflash, dflash_run = dflash_stage(ctx, served, data, tokenizer)
     draft, pretrain_run, distill_run = draft_model_stage(ctx, streams, data, tokenizer)
 
-    stage_seconds = {"tokenizer": streams.seconds, "target": target_run.seconds,
+    stage_seconds = {"tokenizer": streams.seconds, "target": target_record.pop("target_seconds"),
                      "continuations": continuations["seconds"], "dflash": dflash_run.seconds,
                      "draft_model": pretrain_run.seconds + distill_run.seconds}
-    loops = {"target": target_run, "dflash": dflash_run, "draft_pretrain": pretrain_run,
-             "draft_distill": distill_run}
+    loops = {"dflash": dflash_run, "draft_pretrain": pretrain_run, "draft_distill": distill_run}
     history = {
         "sizes": asdict(sizes), "held_out": list(HELD_OUT), "python": sys.version.split()[0],
         "torch": torch.__version__, "seed": SEED, "compiled": compile_steps,
         "stage_seconds": {name: round(s, 1) for name, s in stage_seconds.items()},
-        "resumed_from": {"continuations": continuations["resumed_from"]}
+        "resumed_from": {"continuations": continuations["resumed_from"],
+                         "target": target_record.pop("target_resumed_from")}
                         | {name: r.resumed_from for name, r in loops.items()},
         "corpus": corpus_record(sources, streams),
         "train_files": sum(len(s.files) for s in sources),
         "train_megabytes": round(sum(s.megabytes for s in sources), 2),
         "train_tokens": sum(s.numel() for s in streams.streams),
         "held_out_files": [str(p.relative_to(stdlib_dir())) for p in held],
-        "target_final_loss": target_run.tail_mean("loss"),
-        "target_heldout_perplexity": target_run.evaluations,  # the fp32-from-bf16 target, during training
+        **{k: v for k, v in target_record.items() if k != "target_loss_curve"},
         "continuations": int(data.ids.shape[0]),
         "continuation_tokens": int((data.valid_lens - data.prompt_lens).sum()),
         "dflash_final_loss": dflash_run.tail_mean("loss"),
         "dflash_train_accepted_per_block": dflash_run.tail_mean("accepted"),
         "draft_pretrain_final_loss": pretrain_run.tail_mean("loss"),
         "draft_distill_final_loss": distill_run.tail_mean("loss"),
-        "loss_curves": {name: r.curve("loss") for name, r in loops.items()},
+        "loss_curves": {"target": target_record["target_loss_curve"]} | {name: r.curve("loss")
+                                                                          for name, r in loops.items()},
         "total_seconds": round(sum(stage_seconds.values()), 1),  # training time kept, over all sessions
     }
 
     def write_outputs(folder: Path) -> None:
         shutil.copytree(work.file("tokenizer"), folder / "tokenizer")
-        save_lm(target, tokenizer, folder / "target")
+        if pretrained is None:
+            save_lm(target, tokenizer, folder / "target")
+        else:  # byte for byte what the drafters were trained for
+            shutil.copytree(pretrained.folder / "target", folder / "target")
         dflash.save_pretrained(folder / "dflash", safe_serialization=True)
         save_lm(draft, tokenizer, folder / "draft_model")
         store_bf16(folder)  # trained in float32; stored in half the bytes (every checkout carries them)
@@ -440,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile the training steps (default: on for the full run, off for --smoke)")
     parser.add_argument("--restart", action="store_true", help="delete the work folder first: start over")
     parser.add_argument("--keep-work", action="store_true", help="keep the work folder after writing --out")
+    parser.add_argument("--target-from", type=Path, default=None, metavar="DIR",
+                        help="train only the drafters (continuations, DFlash, draft model) for the tokenizer and "
+                             "target of an earlier run's output DIR, such as demo/; they are copied to --out as they are")
     parser.add_argument("--pause-after", type=PausePoint.parse, default=None, help=argparse.SUPPRESS)  # tests
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -452,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = CheckpointPolicy(every_seconds=args.checkpoint_minutes * 60, every_steps=args.checkpoint_steps)
     try:
         run(sizes, args.out, args.work, policy, args.pause_after, args.restart, args.keep_work,
-            compile_steps=not args.smoke if args.compile is None else args.compile)
+            compile_steps=not args.smoke if args.compile is None else args.compile, target_from=args.target_from)
     except ResumeRefused as refused:
         print(f"train_demo.py: {refused}", file=sys.stderr)
         return 2

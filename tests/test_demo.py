@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,6 +169,51 @@ def test_work_folder_of_other_settings_is_refused(tmp_path):
     assert "other settings" in refused.stderr and "target_steps: 30 in the work folder, " in refused.stderr
     assert "--restart" in refused.stderr
     assert run_file.read_text() == recorded and (out.with_name("demo.partial") / "target.pt").is_file()
+
+
+def _weights(folder: Path, part: str) -> bytes:
+    return (folder / part / "model.safetensors").read_bytes()
+
+
+def test_target_from_trains_the_same_drafters_for_that_target(smoke_dir, tmp_path):
+    """`--target-from` keeps an earlier run's tokenizer and target byte for byte and trains only
+    the drafters: with the same recipe and seeds, the very drafters the full run trained."""
+    out = tmp_path / "drafters"
+    run = subprocess.run([sys.executable, "scripts/train_demo.py", "--smoke", "--threads", "1", "--out", str(out),
+                          "--target-from", str(smoke_dir)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "training the drafters only" in run.stdout and "target step" not in run.stdout
+    assert _weights(out, "target") == _weights(smoke_dir, "target")
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (smoke_dir / "tokenizer" / "tokenizer.json").read_bytes()
+    for part in ("dflash", "draft_model"):
+        assert _weights(out, part) == _weights(smoke_dir, part), part
+    history, source = (json.loads((folder / "training.json").read_text()) for folder in (out, smoke_dir))
+    assert history["target_from"]["sha256"]["target/model.safetensors"] == hashlib.sha256(
+        _weights(smoke_dir, "target")).hexdigest()
+    for key in ("target_final_loss", "target_heldout_perplexity"):
+        assert history[key] == source[key], key
+    assert history["loss_curves"]["target"] == source["loss_curves"]["target"]
+    assert history["stage_seconds"]["target"] == source["stage_seconds"]["target"]
+
+
+def test_target_from_refuses_another_shape_or_an_incomplete_folder(smoke_dir, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(smoke_dir, other)
+    history = json.loads((other / "training.json").read_text())
+    history["sizes"]["hidden"] += 1
+    (other / "training.json").write_text(json.dumps(history))
+    (other / "dflash").rename(tmp_path / "dflash")  # not read: only the tokenizer, target and record are
+    cmd = [sys.executable, "scripts/train_demo.py", "--smoke", "--threads", "1", "--out", str(tmp_path / "out")]
+    refused = subprocess.run([*cmd, "--target-from", str(other)], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    hidden = demo_training.SMOKE.hidden
+    assert f"hidden: {hidden + 1} there, {hidden} in this recipe" in refused.stderr
+    (other / "target" / "model.safetensors").unlink()
+    refused = subprocess.run([*cmd, "--target-from", str(other)], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "missing target/model.safetensors" in refused.stderr, refused.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
 def test_checkpoint_write_cut_short_leaves_the_last_one(tmp_path):
@@ -408,7 +454,6 @@ def test_eval_demo_measures_through_a_real_stack(tmp_path):
     """scripts/eval_demo.py brings the stack up with `splitspec up`'s own arguments (it once
     built them by hand and broke when `up` gained a flag): a draft model that is the target
     accepts every draft, and the row adds up."""
-    import shutil
 
     import eval_demo
 
