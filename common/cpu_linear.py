@@ -117,11 +117,11 @@ def _agrees_with_f_linear(linear: nn.Linear) -> bool:
 
 
 def pack_cpu_linears(model: nn.Module, log: logging.Logger) -> int:
-    """Swap every CPU `nn.Linear` of a packable dtype for a `PackedLinear`; how many were.
+    """Swap every CPU `nn.Linear` (StackedLinear included) of a packable dtype for a `PackedLinear`; how many were.
     (Layers elsewhere, on "meta" for instance, or of another dtype, are left as they are.)"""
     dtypes = packable_dtypes()
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes]
+               if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes]
     if not linears:
         return 0
     if not _ops_available():

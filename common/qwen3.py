@@ -116,21 +116,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos [T, D] and the signed sin [T, D] (its first half negated) that `apply_rope` takes."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def swap_halves(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] → [T, H, D]: (x1, x2) → (x2, x1)
+    tokens, heads, dim = x.shape
+    return x.reshape(tokens, heads, 2, dim // 2).flip(2).reshape(tokens, heads, dim)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, D] → [T, H, D]."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/signed_sin [T, D] (RotaryEmbedding) → [T, H, D].
+
+    The neox rotation x·cos + rotate_half(x)·sin with rotate_half(x) = (−x2, x1), the sign folded
+    into the sin: one op per step instead of chunk, negate and cat, the same values bit for bit."""
+    return x * cos[:, None, :] + swap_halves(x) * signed_sin[:, None, :]
 
 
 # ---------------------------------------------------------------------------------------
@@ -144,9 +147,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's fused kernel: the same values as below in float32, one op instead of eight
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class StackedLinear(nn.Linear):
+    """One product for several projections of the same input (q/k/v, gate/up), as one weight.
+
+    Checkpoints store the parts apart (`q_proj.weight`, ...): `checkpoint_layout` names them
+    for the loader and `stack_checkpoint_parts` stacks them along the output dim, in `parts`
+    order. One product of the stacked weight costs less than one per part (on a CPU each
+    product call has a fixed cost that a decode of one row is dominated by)."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = tuple(parts)  # checkpoint names of the parts, siblings of this module
+        self.sizes = tuple(parts.values())  # output features of each part
 
 
 class Attention(nn.Module):
@@ -155,9 +175,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.head_dim**-0.5
         q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.qkv_sizes = (q_dim, kv_dim, kv_dim)  # the split of qkv_proj's output (packing swaps the layer)
+        self.qkv_proj = StackedLinear(args.hidden_size, dict(zip(("q_proj", "k_proj", "v_proj"), self.qkv_sizes)),
+                                      bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -174,25 +194,38 @@ class Attention(nn.Module):
         spec: LayerSpec,
     ) -> torch.Tensor:  # [T, hidden]
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        q, k = self.rotate(q, k, cos, sin)
         out = backend.forward(q, k, v, kv_cache, spec, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, hidden] → q [T, Hq, D], k and v [T, Hkv, D]: views into one product."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.view(tokens, self.num_kv_heads, self.head_dim))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k norms (Qwen3), then RoPE; cos/sin [T, D] from RotaryEmbedding."""
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = StackedLinear(
+            args.hidden_size, {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size},
+            bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -240,11 +273,11 @@ class Qwen3ForCausalLM(nn.Module):
         config = load_config(folder)
         with torch.device("meta"):
             model = cls(config)
-        expected = {name: p.shape for name, p in model.state_dict().items()}
+        expected, stacked = checkpoint_layout(model)
         if model.args.tie_word_embeddings:
             expected.pop("lm_head.weight")
         state, scales = _read_checkpoint(folder, dtype, device, expected)
-        model.load_state_dict(state, strict=False, assign=True)
+        model.load_state_dict(stack_checkpoint_parts(state, stacked), strict=False, assign=True)
         if model.args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model._specs = _layer_specs(model.args, scales)
@@ -332,6 +365,38 @@ def _layer_specs(args: ModelArgs, scales: Mapping[tuple[int, str], float]) -> tu
         )
         for i in range(args.num_layers)
     )
+
+
+def checkpoint_layout(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, tuple[str, int]]]:
+    """The checkpoint tensors a model loads, {name: shape}: its state dict's, with each
+    StackedLinear's parameters named by their parts; and {part name: (stacked name, offset)}."""
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    stacked: dict[str, tuple[str, int]] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, StackedLinear):
+            continue
+        parent = prefix.rpartition(".")[0]
+        for suffix in ("weight", "bias") if module.bias is not None else ("weight",):
+            name = f"{prefix}.{suffix}"
+            shape = expected.pop(name)
+            offset = 0
+            for part, size in zip(module.parts, module.sizes):
+                part_name = f"{parent}.{part}.{suffix}" if parent else f"{part}.{suffix}"
+                expected[part_name] = torch.Size((size, *shape[1:]))
+                stacked[part_name] = (name, offset)
+                offset += size
+    return expected, stacked
+
+
+def stack_checkpoint_parts(state: dict[str, torch.Tensor],
+                           stacked: Mapping[str, tuple[str, int]]) -> dict[str, torch.Tensor]:
+    """`state` with every StackedLinear's parts (checkpoint_layout) replaced by their stack."""
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for part_name, (name, offset) in stacked.items():
+        parts.setdefault(name, []).append((offset, state.pop(part_name)))
+    for name, pieces in parts.items():
+        state[name] = torch.cat([tensor for _, tensor in sorted(pieces, key=lambda piece: piece[0])])
+    return state
 
 
 def _weight_sample_bytes(weight: torch.Tensor) -> bytes:

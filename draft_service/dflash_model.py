@@ -32,7 +32,16 @@ from common.attention import write_kv_to_pages
 from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import KVLayout, LayerSpec
-from common.qwen3 import DecoderLayer, ModelArgs, RMSNorm, RotaryEmbedding, WeightLoadError, apply_rope
+from common.qwen3 import (
+    DecoderLayer,
+    ModelArgs,
+    RMSNorm,
+    RotaryEmbedding,
+    WeightLoadError,
+    apply_rope,
+    checkpoint_layout,
+    stack_checkpoint_parts,
+)
 from common.weights import iter_safetensors, load_config, resolve_model_path
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -212,10 +221,8 @@ def context_kv(
     cos: torch.Tensor,  # [T, D]
     sin: torch.Tensor,  # [T, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hkv, D], [T, Hkv, D])
-    """One layer's K/V of context tokens: k_proj → k_norm → RoPE, and v_proj."""
-    tokens = context.shape[0]
-    k = attn.k_proj(context).view(tokens, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
-    v = attn.v_proj(context).view(tokens, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
+    """One layer's K/V of context tokens: k_proj → k_norm → RoPE, and v_proj (cos/sin from RotaryEmbedding)."""
+    _, k, v = attn.project(context)  # [T, Hkv, D] each (q too: one stacked product costs less than two)
     return apply_rope(attn.k_norm(k), cos, sin), v
 
 
@@ -290,10 +297,10 @@ class DFlashDraftModel(nn.Module):
         config = load_config(folder)
         with torch.device("meta"):
             model = cls(config, target)
-        expected = {
-            name: p.shape for name, p in model.state_dict().items() if not IGNORED_TENSOR.search(name)
-        }
-        model.load_state_dict(_read_weights(folder, expected, dtype, device), strict=False, assign=True)
+        expected, stacked = checkpoint_layout(model)
+        expected = {name: shape for name, shape in expected.items() if not IGNORED_TENSOR.search(name)}
+        state = stack_checkpoint_parts(_read_weights(folder, expected, dtype, device), stacked)
+        model.load_state_dict(state, strict=False, assign=True)
         return model.to(device).eval().requires_grad_(False)
 
     # -- facts for the handshake and the layout -------------------------------------------
@@ -429,10 +436,10 @@ class DFlashDraftModel(nn.Module):
         rows (one product each instead of two); their K/V are written before the block attends."""
         attn, num_context, tokens = layer.self_attn, context.shape[0], hidden.shape[0]
         x = layer.input_layernorm(hidden)  # [T, hidden]
-        k, v = context_kv(attn, torch.cat([context, x]), cos, sin)  # [Tc + T, Hkv, D] each
+        q, k, v = attn.project(torch.cat([context, x]))  # [Tc + T, Hq | Hkv, D]: q of the context unused
+        q = apply_rope(attn.q_norm(q[num_context:]), cos[num_context:], sin[num_context:])  # [T, Hq, D]
+        k = apply_rope(attn.k_norm(k), cos, sin)  # [Tc + T, Hkv, D]
         self._write_kv(i, k[:num_context], v[:num_context], context_slots, kv_caches, backend.layout)
-        q = attn.q_norm(attn.q_proj(x).view(tokens, attn.num_heads, attn.head_dim))  # [T, Hq, D]
-        q = apply_rope(q, cos[num_context:], sin[num_context:])
         spec = backend.layout.layer("draft", i)
         out = backend.forward(q, k[num_context:], v[num_context:], kv_caches[i], spec, attn.scale)  # [T, Hq, D]
         hidden = hidden + attn.o_proj(out.reshape(tokens, attn.num_heads * attn.head_dim))

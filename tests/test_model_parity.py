@@ -380,6 +380,55 @@ def test_unexpected_and_misshaped_weights_are_clear_errors(qwen3_dir, tmp_path):
         Qwen3ForCausalLM.from_pretrained(bad, torch.float32, CPU)
 
 
+def test_stacked_projections_are_loaded_and_checked_by_their_checkpoint_names(qwen3_dir, tmp_path):
+    """q/k/v and gate/up run as one product each (StackedLinear), stacked at load in the
+    checkpoint's order: a missing or misshaped part is named as the checkpoint names it, and
+    a checkpoint that already holds our stacked name is not one we read."""
+    from safetensors.torch import load_file
+
+    model = Qwen3ForCausalLM.from_pretrained(qwen3_dir, torch.float32, CPU)
+    tensors = {}
+    for f in qwen3_dir.glob("*.safetensors"):
+        tensors |= load_file(str(f))
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    expected_qkv = torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    torch.testing.assert_close(attn.qkv_proj.weight, expected_qkv, rtol=0, atol=0)
+    expected_gate_up = torch.cat([tensors[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    torch.testing.assert_close(mlp.gate_up_proj.weight, expected_gate_up, rtol=0, atol=0)
+
+    name = "model.layers.0.self_attn.v_proj.weight"
+    broken = copy_checkpoint(qwen3_dir, tmp_path / "no_v", lambda t: t.pop(name))
+    with pytest.raises(WeightLoadError, match=rf"1 missing tensor\(s\): {name}"):
+        Qwen3ForCausalLM.from_pretrained(broken, torch.float32, CPU)
+
+    def shrink_up(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:-1]
+
+    bad = copy_checkpoint(qwen3_dir, tmp_path / "short_up", shrink_up)
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.0\.mlp\.up_proj\.weight has shape"):
+        Qwen3ForCausalLM.from_pretrained(bad, torch.float32, CPU)
+
+    def prestack(t):
+        t["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(1)
+
+    ours = copy_checkpoint(qwen3_dir, tmp_path / "prestacked", prestack)
+    with pytest.raises(WeightLoadError, match=r"unexpected tensor\(s\): model\.layers\.0\.self_attn\.qkv_proj"):
+        Qwen3ForCausalLM.from_pretrained(ours, torch.float32, CPU)
+
+
+def test_rope_with_the_sign_folded_equals_rotate_half():
+    from common.qwen3 import apply_rope
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 16, generator=generator)  # [T, H, D]
+    angles = torch.randn(5, 8, generator=generator)  # [T, D/2]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, D]
+    rotated = torch.cat([-x[..., 8:], x[..., :8]], -1)  # rotate_half, as Hugging Face writes it
+    expected = x * cos[:, None] + rotated * sin[:, None]
+    signed = torch.cat([-angles.sin(), angles.sin()], -1)
+    assert torch.equal(apply_rope(x, cos, signed), expected)  # bit for bit
+
+
 def test_kv_scales_from_checkpoint(qwen3_dir, tmp_path):
     def add_scales(t):
         t["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
