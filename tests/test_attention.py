@@ -307,3 +307,27 @@ def test_fp8_e4m3_reads_what_torchs_own_conversion_gives_for_every_finite_code(d
     view = pages.transpose(1, 2)  # [4, 2, 8, 4], not contiguous
     torch.testing.assert_close(dequantize(view, dtype, scale), dequantize(view.contiguous(), dtype, scale),
                                equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_lone_sequence_plans_as_the_padded_path_would(causal):
+    """The one-sequence plan (its rows a range, few ops) equals the general padded plan of
+    that sequence, field by field: decodes, verifies, blocks, chunked and whole prefills,
+    the sequence first or after others in the batch."""
+    from common.attention import _build_padded_group, _build_single_group
+
+    page_size = 4
+    for query_lens, seq_lens, b in [([1], [1], 0), ([1], [9], 0), ([9], [40], 0), ([7], [7], 0), ([5], [13], 0),
+                                    ([3, 9], [3, 30], 1), ([40, 2], [40, 17], 1), ([2, 6, 1], [9, 11, 5], 2)]:
+        tables = [list(range(10 * i, 10 * i + -(-n // page_size))) for i, n in enumerate(seq_lens)]
+        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
+                                       page_size=page_size, device=torch.device("cpu"), causal=causal)
+        fast, padded = _build_single_group(meta, b, meta.slot_mapping.device), _build_padded_group(
+            meta, [b], meta.slot_mapping.device)
+        case = (query_lens, seq_lens, b, causal)
+        for name in ("page_table", "query_rows", "valid_rows", "token_rows"):
+            assert torch.equal(getattr(fast, name), getattr(padded, name)), (name, case)
+        assert (fast.kv_len, fast.is_causal) == (padded.kv_len, padded.is_causal), case
+        assert (fast.mask is None) == (padded.mask is None), case
+        if fast.mask is not None:
+            assert torch.equal(fast.mask, padded.mask), case
