@@ -4,9 +4,9 @@
   2. transformers assisted generation with the draft_model drafter (`assistant_model`)
   3. the `dflash` package's `dflash_generate`
   4. splitspec, target only
-  5. splitspec + ngram            (drafter in a second process, over gRPC)
-  6. splitspec + draft_model      (drafter in a second process, over gRPC)
-  7. splitspec + dflash           (drafter in a second process, over gRPC)
+  5. splitspec + ngram            (drafter in a second process; Propose over the pool's shm channel)
+  6. splitspec + draft_model      (drafter in a second process; Propose over the pool's shm channel)
+  7. splitspec + dflash           (drafter in a second process; Propose over the pool's shm channel)
   8. splitspec + dflash, one process (the drafter called directly: 7 vs 8 is the split's cost)
 
 Rows 4-8 drive the engine in this process (no client RPC), so every row measures
