@@ -1,7 +1,7 @@
 """Train the bundled demo models: a tokenizer, a Qwen3 target and two drafters for it.
 
-    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~3.3 h on 2 idle CPU cores)
-    .venv/bin/python scripts/train_demo.py --target-from demo --out demo-new   # the drafters only (~2 h)
+    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~3 h on 2 idle CPU cores)
+    .venv/bin/python scripts/train_demo.py --target-from demo --out demo-new   # the drafters only (~1.8 h)
     .venv/bin/python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, seconds (CI)
 
 The full run is meant to take several sessions: stop it whenever (Ctrl-C, kill -9, a lost
@@ -159,7 +159,7 @@ class PretrainedTarget:
         """The target in float32 (its stored bf16 values, exactly)."""
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.folder / "target", torch_dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(self.folder / "target", dtype=torch.float32)
 
     def record(self) -> dict:
         """The target's own training record, carried into this run's training.json."""
