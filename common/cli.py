@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 
-from splitspec.cli_args import LOG_FORMAT, positive_int
+from splitspec.cli_args import LOG_FORMAT, positive_int, stop_with_parent
 
 
 def run_service(
@@ -22,6 +22,7 @@ def run_service(
     """Parse, set up logging, build the config (a bad value is a usage error), then run
     `server_module.serve(config)` until it stops; the exit code. The server module is
     imported only once the arguments are good."""
+    stop_with_parent()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     try:

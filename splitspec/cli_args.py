@@ -6,13 +6,38 @@ everything that parses a command line.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
+import sys
 
 BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PARENT_PID_ENV = "SPLITSPEC_PARENT_PID"  # set by `splitspec up` for the services it starts
+PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """Under `splitspec up` (it names itself in SPLITSPEC_PARENT_PID): have Linux send this
+    process SIGTERM when `up` dies, however it dies, so no service outlives it; if `up` is
+    already gone, SIGTERM now. Each service asks this for itself at startup: `up` starts them
+    without a `preexec_fn`, which Python documents as unsafe with threads and which let
+    gRPC's fork handlers crash a child between fork and exec (common/cli.py, the gateway)."""
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    if not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # died before the line above: the signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def parse_bytes(text: str) -> int:

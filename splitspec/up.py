@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 
+from splitspec.cli_args import PARENT_PID_ENV
 from splitspec.contract import TOKEN_ENV
 from splitspec.net import free_port
 
@@ -73,26 +74,6 @@ def add_parser(sub) -> None:
 # Child processes
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
-    os.setpgrp()
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: stop when `splitspec up` dies
-
-
-def _load_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
 @dataclass
 class Child:
     """One service: its process and a thread copying its log lines to ours."""
@@ -104,9 +85,14 @@ class Child:
     @classmethod
     def start(cls, name: str, module: str, args: list[str], env: dict[str, str], out_lock: threading.Lock,
               echo: bool = True) -> Child:
+        # Its own process group (Ctrl-C reaches `up` alone, which stops each in order), and no
+        # preexec_fn: with one, Python forks rather than spawns, and gRPC's fork handlers
+        # (this process has used gRPC) crashed ~40% of such children before exec in a test
+        # (tests/test_demo.py). Each service stops with `up` by itself (stop_with_parent).
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=_child_setup, text=True, errors="replace", bufsize=1)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env | {PARENT_PID_ENV: str(os.getpid())}, process_group=0, text=True,
+                                errors="replace", bufsize=1)
         child = cls(name, proc)
         threading.Thread(target=child._pump, args=(out_lock, echo), name=f"log-{name}", daemon=True).start()
         return child

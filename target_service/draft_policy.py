@@ -288,14 +288,10 @@ class DraftPolicy:
         if self._since_probe < (self._probe_gap or self.probe_every):
             return Decision(k)
         probe_k = self._best_k(self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
-        gap = self._probe_gap or self.probe_every
         if probe_k <= k:
-            # Even the optimistic view asks no more: nothing a probe could teach. Look again in
-            # probe_every decisions, not at every one (a batch where drafts never pay would
-            # price the optimistic view each step for nothing).
-            self._since_probe = gap - self.probe_every
-            return Decision(k)
+            return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
         self._since_probe = 0
+        gap = self._probe_gap or self.probe_every
         self._probe_gap = min(2 * gap, self.max_probe_every) if k == 0 else self.probe_every
         return Decision(k, probe_k)
 

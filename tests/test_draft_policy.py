@@ -225,18 +225,6 @@ def test_no_probe_where_even_the_optimistic_view_would_not_pay():
     assert run(policy, 100, accepted=2, num_seqs=16) == [Decision(0)] * 100
 
 
-def test_where_no_probe_could_pay_the_optimistic_view_is_priced_once_per_probe_interval():
-    policy = DraftPolicy(K, probe_every=4)
-    for tokens in (16, 32, 64, 144):
-        policy.record_forward(tokens, DECODE * tokens / 16 * 1.6)
-    policy.record_propose(16 * (K + 1), 0.004)
-    looks = []
-    optimistic = policy.acceptance.optimistic
-    policy.acceptance.optimistic = lambda: looks.append(1) or optimistic()
-    assert run(policy, 100, accepted=2, num_seqs=16) == [Decision(0)] * 100
-    assert len(looks) == 100 // 4  # was 97: every decision once the first interval had passed
-
-
 def test_policy_recovers_when_the_drafter_gets_good_again():
     policy = measured_policy(0.05 * DECODE, 0.001)
     run(policy, 200, accepted=0)

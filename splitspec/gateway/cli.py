@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 
-from splitspec.cli_args import LOG_FORMAT, HelpFormatter, add_log_level, parse_bytes
+from splitspec.cli_args import LOG_FORMAT, HelpFormatter, add_log_level, parse_bytes, stop_with_parent
 from splitspec.gateway.config import GatewayConfig
 
 
@@ -44,6 +44,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
