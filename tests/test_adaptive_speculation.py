@@ -243,6 +243,27 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(chec
         assert held[1] <= steps_asking + 4  # ... at most the prefill's and those asking for drafts
 
 
+def test_dflash_drafts_fewer_tokens_as_the_first_of_its_whole_block(checkpoints_dflash, tmp_path):
+    """Asked for k < K drafts, DFlash still runs the block of K masks it was trained with and
+    keeps the first k: a block of fewer masks attends differently and drafts worse (the demo
+    pair accepted 2.12 tokens a step with blocks of 7, 2.56 with its trained 8)."""
+    first: dict[int, list[int]] = {}
+    blocks: list[int] = []
+    for k in (REFERENCE_DFLASH_K, 2):
+        shm_dir = tmp_path / f"shm-{k}"
+        shm_dir.mkdir()
+        core, drafts, _ = _dflash_core(checkpoints_dflash, shm_dir, 128, [k] * MAX_TOKENS, defer=True)
+        model = core.link._stub.host.drafter.model  # the in-process stub _dflash_core gave it
+        forward = model.propose
+        model.propose = lambda *args, **kwargs: blocks.append(kwargs["num_tokens"]) or forward(*args, **kwargs)
+        _generate(core, PROMPTS[0])
+        [first[k]] = next(d for d in drafts if d).values()  # the first step that drafted: the same context
+        core.close()
+    assert len(first[2]) == 2 and first[2] == first[REFERENCE_DFLASH_K][:2], first
+    # every block had the trained K masks, bar those the sequence's last page could not hold
+    assert blocks.count(REFERENCE_DFLASH_K) >= 0.8 * len(blocks), blocks
+
+
 def test_a_probe_asks_one_sequence_of_the_batch(checkpoints, tmp_path):
     """While no draft pays, a probe asks one sequence for its drafts, not the batch (the whole
     batch would pay a wider verify and every sequence's catch-up for one lesson), and the same
