@@ -12,7 +12,8 @@ tokens per second beat those of a step without drafts:
   position over the verifies of the current drafter epoch (`AcceptanceEstimate`); a probe
   tests the k an optimistic view of them would choose (`DraftPolicy`).
 - forward(T): measured seconds of one forward with T query tokens in all (`CostTable`,
-  an EWMA per width, monotone and piecewise linear between measured widths).
+  the median of each width's recent samples, monotone and piecewise linear between
+  measured widths).
 - propose(W): the measured `Propose` round trip by draft positions asked (n·(k+1)),
   transport included, in steady state (every sequence drafted last step too).
 - catch-up: a step without drafts sends no Propose (speculation.py defers its context to
@@ -30,7 +31,9 @@ before this one).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
+import statistics
 from dataclasses import dataclass, field
 
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
@@ -142,45 +145,53 @@ def isotonic(values: list[float], weights: list[float] | None = None) -> list[fl
 
 @dataclass
 class CostTable:
-    """Seconds by a width (query tokens, draft positions): an EWMA per measured width.
+    """Seconds by a width (query tokens, draft positions): the median of each measured
+    width's last `window` samples.
 
-    Estimates are monotone in the width (a wider step never looks cheaper than a narrower
-    one, so noise cannot make drafts look free): the isotonic fit of the per-width means,
-    each weighted by how often it was measured (up to `max_weight`), so a width measured
-    once, perhaps during a stall or on its first call, yields to the widths measured all
-    along instead of dragging them to its value; linear between measured widths, flat below
-    the narrowest, and beyond the widest extended by the last slope, or by `prior_slope` ×
-    (seconds per unit of the widest) when only one is known. A sample more than
-    `max_jump` × its width's estimate (a stall: the scheduler, a page fault, another
-    process) counts as `max_jump` × it. Past `reach` × the widest, nothing is extrapolated
-    (infinite cost): a batch eight times the size of any measured is not priced from a
-    slope fitted at batch 1, so the policy widens its steps gradually, each new width
-    measured before a wider one is tried."""
+    A median, not a running mean: a stall (the scheduler, a page fault, another process)
+    is one sample among `window` and moves nothing, where an EWMA had lifted a verify width
+    measured during one by 20% and, once that width looked dear, never measured it again
+    (the demo pair's policy then asked for 7 drafts where 8 paid). Estimates are monotone
+    in the width (a wider step never looks cheaper than a narrower one, so noise cannot
+    make drafts look free): the isotonic fit of the per-width medians, each weighted by how
+    often it was measured (up to `max_weight`), so a width measured once, perhaps on its
+    first call, yields to the widths measured all along instead of dragging them to its
+    value; linear between measured widths, flat below the narrowest, and beyond the widest
+    extended by the last slope, or by `prior_slope` × (seconds per unit of the widest) when
+    only one is known. Past `reach` × the widest, nothing is extrapolated (infinite cost): a
+    batch eight times the size of any measured is not priced from a slope fitted at batch
+    1, so the policy widens its steps gradually, each new width measured before a wider one
+    is tried."""
 
-    alpha: float = 0.3
+    window: int = 9
     prior_slope: float = 0.15
     max_widths: int = 4096  # widths are bounded by the token budget; this bounds the table regardless
     reach: float = 2.0
     max_weight: float = 8.0
-    max_jump: float = 3.0
-    _seconds: dict[int, float] = field(default_factory=dict)
+    _samples: dict[int, collections.deque] = field(default_factory=dict)  # width → its last `window` seconds
+    _seconds: dict[int, float] = field(default_factory=dict)  # width → the median of its samples
     _counts: dict[int, int] = field(default_factory=dict)
     _fit: tuple[list[int], list[float]] | None = None  # (widths, isotonic values) until the next observe
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
 
     def observe(self, width: int, seconds: float) -> None:
         if width <= 0 or seconds < 0:
             return
-        old = self._seconds.get(width)
-        if old is None:
-            if len(self._seconds) >= self.max_widths:
+        samples = self._samples.get(width)
+        if samples is None:
+            if len(self._samples) >= self.max_widths:
                 return
-            self._seconds[width] = seconds
-        else:
-            self._seconds[width] = old + self.alpha * (min(seconds, self.max_jump * old) - old)
+            samples = self._samples[width] = collections.deque(maxlen=self.window)
+        samples.append(seconds)
+        self._seconds[width] = statistics.median(samples)
         self._counts[width] = self._counts.get(width, 0) + 1
         self._fit = None
 
     def clear(self) -> None:
+        self._samples.clear()
         self._seconds.clear()
         self._counts.clear()
         self._fit = None
@@ -253,16 +264,17 @@ class DraftPolicy:
     acceptance: AcceptanceEstimate = field(init=False)
     forward: CostTable = field(default_factory=CostTable)
     propose: CostTable = field(default_factory=CostTable)
-    catch_up_per_row: float | None = None  # seconds, an EWMA (alpha of `propose`) over catching-up Proposes
+    catch_up_alpha: float = 0.3
+    catch_up_per_row: float | None = None  # seconds, an EWMA (`catch_up_alpha`) over catching-up Proposes
     _since_probe: int = 0
     _probe_gap: int = 0  # decisions from one probe to the next (0: not started, probe_every)
 
     def __post_init__(self) -> None:
         if (self.max_k < 0 or not 1 <= self.probe_every <= self.max_probe_every or self.min_gain < 0
-                or self.catch_up_horizon < 1):
-            raise ValueError(f"max_k must be >= 0, 1 <= probe_every <= max_probe_every, min_gain >= 0 and "
-                             f"catch_up_horizon >= 1, got {self.max_k}, {self.probe_every}, {self.max_probe_every}, "
-                             f"{self.min_gain}, {self.catch_up_horizon}")
+                or self.catch_up_horizon < 1 or not 0 < self.catch_up_alpha <= 1):
+            raise ValueError(f"max_k must be >= 0, 1 <= probe_every <= max_probe_every, min_gain >= 0, "
+                             f"catch_up_horizon >= 1 and 0 < catch_up_alpha <= 1, got {self.max_k}, {self.probe_every}, "
+                             f"{self.max_probe_every}, {self.min_gain}, {self.catch_up_horizon}, {self.catch_up_alpha}")
         self.acceptance = AcceptanceEstimate(self.max_k)
 
     def new_epoch(self) -> None:
@@ -326,7 +338,7 @@ class DraftPolicy:
         steady = self.propose.estimate(draft_positions) if self.propose.known else 0.0
         per_row = max(0.0, seconds - steady) / rows
         old = self.catch_up_per_row
-        self.catch_up_per_row = per_row if old is None else old + self.propose.alpha * (per_row - old)
+        self.catch_up_per_row = per_row if old is None else old + self.catch_up_alpha * (per_row - old)
 
     def record_verify(self, num_draft: int, num_accepted: int) -> None:
         self.acceptance.observe(num_draft, num_accepted)

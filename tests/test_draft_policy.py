@@ -123,14 +123,14 @@ def test_bad_parameters_are_refused():
 
 
 def test_cost_table_is_monotone_interpolated_and_extrapolated():
-    table = CostTable(alpha=0.5, prior_slope=0.1)
+    table = CostTable(prior_slope=0.1)
     assert not table.known and table.estimate(5) == 0.0
     table.observe(4, 0.010)
     assert table.estimate(2) == 0.010  # flat below the narrowest width
     assert table.estimate(8) == pytest.approx(0.010 + 0.1 * 0.010 / 4 * 4)  # the prior slope
     table.observe(8, 0.008)  # noise: a wider step measured cheaper
     assert table.estimate(8) == table.estimate(4) == pytest.approx(0.009)  # pooled: never below a narrower width
-    table.observe(8, 0.020)  # EWMA: 0.008 + 0.5 * (0.020 - 0.008) = 0.014
+    table.observe(8, 0.020)  # the median of 0.008 and 0.020
     assert table.estimate(8) == pytest.approx(0.014)
     assert table.estimate(6) == pytest.approx(0.012)
     assert table.estimate(12) == pytest.approx(0.018)  # the last slope
@@ -160,11 +160,19 @@ def test_a_width_measured_once_yields_to_widths_measured_all_along():
     assert isotonic([3.0, 1.0], [1.0, 3.0]) == [1.5, 1.5]
 
 
-def test_a_stall_moves_a_width_s_estimate_by_at_most_max_jump():
-    table = CostTable(alpha=0.5, max_jump=3.0)
-    table.observe(1, 0.004)
-    table.observe(1, 0.180)  # a 180 ms stall of a 4 ms decode counts as 12 ms
-    assert table.estimate(1) == pytest.approx(0.004 + 0.5 * (0.012 - 0.004))
+def test_a_stall_moves_nothing_and_a_lasting_change_moves_a_width_within_half_its_window():
+    table = CostTable(window=9)
+    for _ in range(9):
+        table.observe(9, 0.0044)
+    table.observe(9, 0.180)  # a 180 ms stall of a 4.4 ms verify
+    assert table.estimate(9) == pytest.approx(0.0044)  # an EWMA of 0.3 made it 58 ms, and k = 8 never ran again
+    for _ in range(3):
+        table.observe(9, 0.0060)  # the verify really got dearer
+    assert table.estimate(9) == pytest.approx(0.0044)
+    table.observe(9, 0.0060)
+    assert table.estimate(9) == pytest.approx(0.0060)  # with the stall, 5 of the last 9 samples
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        CostTable(window=0)
 
 
 def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: bool = True,
