@@ -233,6 +233,33 @@ def test_no_probe_where_even_the_optimistic_view_would_not_pay():
     assert run(policy, 100, accepted=2, num_seqs=16) == [Decision(0)] * 100
 
 
+def test_a_step_without_drafts_narrower_than_any_measured_is_measured_before_drafts_are_priced():
+    """A batch that only ever drafted knows the cost of its verify widths, not of a step
+    without drafts: priced as the narrowest measured width, drafts would look free."""
+    policy = DraftPolicy(K)
+    policy.record_forward(8 * (K + 1), 0.015)  # the batch of 8 drafted K at its first step
+    policy.record_propose(8 * (K + 1), 0.005)
+    for _ in range(20):
+        policy.record_verify(K, 1)
+    assert policy.decide(8, 8, K) == Decision(0)  # measure width 8 first
+    policy.record_forward(8, 0.0055)
+    assert policy.decide(8, 8, K).k == 0  # and then drafts do not pay
+
+
+def test_the_prefill_in_a_step_is_not_counted_against_drafts():
+    """A step with prefill chunks (base 105 tokens, 4 decoding sequences) takes 20 ms whatever
+    k: drafts are judged against the 4 sequences' decoding alone. Counting the prefill in made a
+    5 ms Propose look cheap next to 20 ms, and a batch of 8 probed drafts that never paid."""
+    forward = lambda tokens: 0.005 + 0.00014 * tokens  # noqa: E731 - linear: 4 decodes 5.6 ms, 105 tokens 19.7 ms
+    propose = lambda width: 0.005  # noqa: E731
+    acceptance = [0.4, 0.3] + [0.6] * (K - 2)
+    assert choose_num_drafts(acceptance, K, 4, 105, forward, propose) == 0
+    assert choose_num_drafts(acceptance, K, 4, 4, forward, propose) == 0  # the same as without the prefill
+    cheap = lambda width: 0.0002  # noqa: E731 - where drafts pay for decoding, a prefill does not stop them
+    assert choose_num_drafts([0.9] * K, K, 4, 105, forward, cheap) == choose_num_drafts([0.9] * K, K, 4, 4, forward,
+                                                                                          cheap) > 0
+
+
 def test_policy_recovers_when_the_drafter_gets_good_again():
     policy = measured_policy(0.05 * DECODE, 0.001)
     run(policy, 200, accepted=0)
