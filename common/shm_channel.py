@@ -205,6 +205,8 @@ class ChannelServer:
         self._config = config or ChannelServerConfig()
         self._stop = threading.Event()
         self._last_request = time.monotonic()
+        self._published_poll_us = 0
+        self._publish_lock = threading.Lock()  # note_activity vs the serving thread's publish of a longer poll
         self._answered = self._region.word(REQUEST_SEQ)  # a request already there is not ours
         self._region.set_word(REPLY_SEQ, self._answered)
         self._region.set_word(POLL_US, 0)
@@ -225,19 +227,28 @@ class ChannelServer:
 
     def note_activity(self) -> None:
         """A request came another way (gRPC): requests are coming, spin again."""
-        self._last_request = time.monotonic()
-        self._region.set_word(POLL_US, 0)
+        with self._publish_lock:
+            self._last_request = time.monotonic()
+            self._region.set_word(POLL_US, 0)
+            self._published_poll_us = 0
+
+    def _publish_poll(self, last_request: float, poll_us: int) -> None:
+        """Say how long we sleep between polls, unless a request was noted since `last_request`
+        (then a stale, longer interval would send the target to gRPC for nothing)."""
+        with self._publish_lock:
+            if self._last_request == last_request:
+                self._region.set_word(POLL_US, poll_us)
+                self._published_poll_us = poll_us
 
     def _serve(self) -> None:
         region, config = self._region, self._config
-        published = 0
         while not self._stop.is_set():
             seq = region.word(REQUEST_SEQ)
             if seq == self._answered:
-                pause = config.poll_interval(time.monotonic() - self._last_request)
-                if (poll_us := int(pause * 1e6)) != published:
-                    region.set_word(POLL_US, poll_us)
-                    published = poll_us
+                last_request = self._last_request
+                pause = config.poll_interval(time.monotonic() - last_request)
+                if (poll_us := int(pause * 1e6)) != self._published_poll_us:
+                    self._publish_poll(last_request, poll_us)
                 if pause:
                     self._stop.wait(pause)
                 else:

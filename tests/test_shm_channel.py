@@ -261,15 +261,54 @@ def test_a_drafter_asleep_between_polls_is_reached_over_grpc_and_woken_by_it():
     prefers gRPC (which wakes the drafter at once), and a request that came that way makes the
     server spin again."""
     buffer = region()
-    config = ChannelServerConfig(spin_s=0.001, idle_poll_s=0.002, backoff_s=0.001, max_idle_poll_s=0.004)
+    # spin_s leaves a loaded machine 200 ms to see the spinning (1 ms did not, once, in a full run)
+    config = ChannelServerConfig(spin_s=0.2, idle_poll_s=0.002, backoff_s=0.001, max_idle_poll_s=0.004)
     server = ChannelServer(buffer, CAPACITY, lambda raw: raw, error_status, config)
     client = ChannelClient(buffer, CAPACITY)
     try:
         assert client.awake()  # it just started: spinning
-        threading.Event().wait(0.1)
+        threading.Event().wait(0.5)
         assert not client.awake()  # asleep 4 ms between polls: gRPC would reach it sooner
         server.note_activity()
         assert client.awake()
         assert client.call(b"still answered", timeout_s=10.0) == b"still answered"  # asleep or not
     finally:
         server.close()
+
+
+def test_a_request_noted_while_the_server_decides_to_sleep_keeps_it_awake(monkeypatch):
+    """The serving thread decides how long to sleep from the time of the last request. A gRPC
+    request noted between that decision and its publication must win: a stale, longer
+    interval published after it sent the target to gRPC again (a flaky CI run of the test
+    above caught it)."""
+    import common.shm_channel as shm_channel
+
+    writes: list[tuple[str, int]] = []  # ("noted" | "poll_us", value), in order
+    set_word = shm_channel._Region.set_word
+
+    def logging_set_word(self, index: int, value: int) -> None:
+        if index == shm_channel.POLL_US:
+            writes.append(("poll_us", value))
+        set_word(self, index, value)
+
+    monkeypatch.setattr(shm_channel._Region, "set_word", logging_set_word)
+    box: dict[str, ChannelServer] = {}
+    noted = threading.Event()
+
+    class RacingConfig(ChannelServerConfig):
+        def poll_interval(self, idle_s: float) -> float:
+            if not noted.is_set() and idle_s > 0.05 and "server" in box:
+                box["server"].note_activity()  # a gRPC request lands right after the decision
+                writes.append(("noted", 0))
+                noted.set()
+                return 0.004  # the decision, made from the request before it
+            return 0.0 if idle_s < 5.0 or noted.is_set() else 0.004
+
+    box["server"] = server = ChannelServer(region(), CAPACITY, lambda raw: raw, error_status, RacingConfig())
+    try:
+        assert noted.wait(10.0)
+        threading.Event().wait(0.1)
+    finally:
+        server.close()
+    after = writes[writes.index(("noted", 0)) + 1:]
+    assert all(value == 0 for _, value in after), writes  # nothing longer published after the note
