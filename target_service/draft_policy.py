@@ -62,8 +62,11 @@ def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_t
     # whatever k: their time is not the decoding sequences' and is left out of every rate, so
     # drafts are judged against decoding alone. Counted in, a 20 ms step with a 100-token
     # prefill made a 5 ms Propose look cheap, and a batch of 8 probed drafts that never paid.
-    prefill = max(0.0, forward_seconds(base_tokens) - forward_seconds(num_seqs)) if base_tokens > num_seqs else 0.0
-    plain = num_seqs / (forward_seconds(base_tokens) - prefill)
+    step = forward_seconds(base_tokens)
+    if not math.isfinite(step):
+        return 0  # a step wider than any priced (CostTable.reach): drafts cannot be priced against it
+    prefill = max(0.0, step - forward_seconds(num_seqs)) if base_tokens > num_seqs else 0.0
+    plain = num_seqs / (step - prefill)
     rates = [plain]  # by k
     tokens, survive = 1.0, 1.0  # expected_tokens(acceptance, k), accumulated as k grows
     for k in range(1, max_k + 1):

@@ -4,6 +4,8 @@ Costs are injected tables (seconds by width), never timed."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from target_service.config import EngineConfig
@@ -255,6 +257,8 @@ def test_the_prefill_in_a_step_is_not_counted_against_drafts():
     acceptance = [0.4, 0.3] + [0.6] * (K - 2)
     assert choose_num_drafts(acceptance, K, 4, 105, forward, propose) == 0
     assert choose_num_drafts(acceptance, K, 4, 4, forward, propose) == 0  # the same as without the prefill
+    beyond_reach = lambda tokens: math.inf if tokens > 64 else forward(tokens)  # noqa: E731 - CostTable.reach
+    assert choose_num_drafts(acceptance, K, 4, 105, beyond_reach, propose) == 0  # was a ValueError (NaN rates)
     cheap = lambda width: 0.0002  # noqa: E731 - where drafts pay for decoding, a prefill does not stop them
     assert choose_num_drafts([0.9] * K, K, 4, 105, forward, cheap) == choose_num_drafts([0.9] * K, K, 4, 4, forward,
                                                                                           cheap) > 0
