@@ -144,6 +144,9 @@ class EngineCore:
             query_tokens = sum(s.num_query_tokens for s in plan.scheduled) + sum(map(len, drafts.values()))
             spec.policy.record_forward(query_tokens, seconds)
         computed_before = self._advance(plan.scheduled)
+        if spec is not None and spec.link.ready:
+            spec.record_acceptance(plan.scheduled, {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted)
+                                                    if drafts.get(t.seq.seq_id)})
         outputs = [out for t, tokens in zip(tracked, emitted)
                    if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
         if spec is not None:
@@ -185,7 +188,6 @@ class EngineCore:
         if draft:
             accepted = len(tokens) - 1
             self.metrics.on_verified(len(draft), accepted)
-            self.speculator.policy.record_verify(len(draft), accepted)
             tracked.seq.spec.record(len(draft), accepted)
             tracked.seq.num_computed_tokens += accepted  # the accepted drafts' KV was written by the verify
         return self._append_tokens(tracked, tokens)

@@ -291,6 +291,16 @@ class Speculator:
                 self.policy.record_propose(positions, elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
+    def record_acceptance(self, scheduled: list[ScheduledSeq], accepted: dict[int, int]) -> None:
+        """What the policy learns from a step: every sequence asked for k drafts, with the drafts
+        it got accepted (`accepted`, by seq id). Asked is what counts, not what came back: an
+        n-gram drafter that finds no match returns none, and learning only from the sequences it
+        drafted for priced 16 asks as 16 drafted sequences (at concurrency 16 it drafted for a
+        few, the verify cost all, and the run was 12% slower than no drafts)."""
+        for s in scheduled:
+            if s.num_lookahead_tokens and self.follows(s.seq):
+                self.policy.record_verify(s.num_lookahead_tokens, accepted.get(s.seq.seq_id, 0))
+
     def _may_defer(self, scheduled: list[ScheduledSeq]) -> bool:
         """A step that asks for no drafts need not call the drafter: its updates are merged into the
         next Propose that asks for drafts (record_step) instead of costing a round trip now. For a

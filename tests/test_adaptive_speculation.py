@@ -326,6 +326,31 @@ class RecordingPolicy(ScriptedPolicy):
         self.catch_ups.append((draft_positions, rows))
 
 
+class VerifyRecordingPolicy(ScriptedPolicy):
+    def __init__(self, max_k: int, script: list[int]) -> None:
+        super().__init__(max_k, script)
+        self.verifies: list[tuple[int, int]] = []
+
+    def record_verify(self, num_draft: int, num_accepted: int) -> None:
+        self.verifies.append((num_draft, num_accepted))
+
+
+def test_an_ask_that_gets_no_drafts_is_learnt_as_a_miss(checkpoints, tmp_path):
+    """What the policy learns is what asking brought: an n-gram drafter that finds no match
+    sends no drafts, and learning only from the sequences it drafted for priced every ask as
+    a drafted one (at concurrency 16 it drafted for a few, the verify cost all: 12% slower)."""
+    target, same, _ = checkpoints
+    core = _core(target, same, tmp_path)  # the target as draft model: every draft it sends is accepted
+    policy = VerifyRecordingPolicy(K, [3] * MAX_TOKENS)
+    core.speculator.policy = policy
+    drafter = core.link._stub.host.drafter  # the in-process stub _core gave it
+    propose, asks = drafter.propose, []
+    drafter.propose = lambda items: asks.append(1) or ({} if len(asks) % 2 else propose(items))  # every other: none
+    _generate(core, PROMPTS[1])
+    assert len(policy.verifies) == len(asks) > 4  # every ask is learnt from, drafts or not
+    assert (3, 0) in policy.verifies and all(a in (0, k) for k, a in policy.verifies), policy.verifies
+
+
 def test_propose_costs_are_learnt_from_steady_drafting_and_catching_up_per_row(checkpoints, tmp_path):
     """The Propose that follows a prompt, or steps that asked for no drafts, also catches the
     drafter up on their context: dearer once. Priced into k, it made the first drafts and every
