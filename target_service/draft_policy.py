@@ -166,7 +166,10 @@ class CostTable:
     make drafts look free): the isotonic fit of the per-width medians, each weighted by how
     often it was measured (up to `max_weight`), so a width measured once, perhaps on its
     first call, yields to the widths measured all along instead of dragging them to its
-    value; linear between measured widths, flat below the narrowest, and beyond the widest
+    value; and a width measured fewer than `max_weight` times is drawn toward the line of
+    the two nearest narrower widths that were (`_lean`), by the share it lacks (the widest width has no wider one to
+    pool with: measured three times on its first, slow calls, the demo pair's width-9 verify
+    stood 20% above width 8, k=8 was never chosen and the width never measured again); linear between measured widths, flat below the narrowest, and beyond the widest
     extended by the last slope, or by `prior_slope` × (seconds per unit of the widest) when
     only one is known. Past `reach` × the widest, nothing is extrapolated (infinite cost): a
     batch eight times the size of any measured is not priced from a slope fitted at batch
@@ -211,12 +214,36 @@ class CostTable:
         if self._fit is None:
             widths = sorted(self._seconds)
             weights = [min(self._counts[w], self.max_weight) for w in widths]
-            self._fit = widths, isotonic([self._seconds[w] for w in widths], weights)
+            values = isotonic([self._seconds[w] for w in widths], weights)
+            known: list[int] = []  # indices of the widths measured max_weight times, so far
+            for i, weight in enumerate(weights):
+                if weight >= self.max_weight:
+                    known.append(i)
+                elif known:  # measured less: drawn toward the line of the well-measured narrower ones
+                    values[i] = max(values[i - 1] if i else 0.0, self._lean(widths, values, known, i, weight))
+            self._fit = widths, values
         return self._fit
+
+    def _lean(self, widths: list[int], values: list[float], known: list[int], i: int, weight: float) -> float:
+        """Width i's value drawn toward the line through the two nearest well-measured narrower
+        widths (or the prior slope from one), by the share of max_weight it was not measured."""
+        last = known[-1]
+        if len(known) >= 2:
+            before = known[-2]
+            slope = max(0.0, (values[last] - values[before]) / (widths[last] - widths[before]))
+        else:
+            slope = self.prior_slope * values[last] / widths[last]
+        line = values[last] + slope * (widths[i] - widths[last])
+        trust = weight / self.max_weight
+        return trust * values[i] + (1.0 - trust) * line
 
     @property
     def known(self) -> bool:
         return bool(self._seconds)
+
+    def weight(self, width: int) -> float:
+        """How much the fit trusts this width's own samples: min(times measured, max_weight)."""
+        return min(self._counts.get(width, 0), self.max_weight)
 
     def below_measured(self, width: int) -> bool:
         """Narrower than every measured width: its estimate is only the narrowest's, a bound."""
@@ -320,7 +347,11 @@ class DraftPolicy:
             return Decision(k)
         probe_k = self._best_k(self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
         if probe_k <= k:
-            return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
+            if not (0 < k < max_k and self.forward.weight(base_tokens + num_seqs * k + 1) < self.forward.max_weight):
+                return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
+            # Acceptance has nothing to teach, but one draft more would measure a width the cost
+            # table barely knows (it leans on its neighbours until measured max_weight times).
+            probe_k = k + 1
         self._since_probe = 0
         gap = self._probe_gap or self.probe_every
         self._probe_gap = min(2 * gap, self.max_probe_every) if k == 0 else self.probe_every

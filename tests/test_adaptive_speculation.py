@@ -42,6 +42,9 @@ class FixedCosts(CostTable):
     def known(self) -> bool:
         return True
 
+    def weight(self, width: int) -> float:
+        return self.max_weight  # every width known: no probe to measure one
+
     def estimate(self, width: int) -> float:
         return self._per_width(width)
 

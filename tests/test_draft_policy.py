@@ -264,6 +264,37 @@ def test_the_prefill_in_a_step_is_not_counted_against_drafts():
                                                                                           cheap) > 0
 
 
+def test_a_widest_width_measured_on_its_first_slow_calls_is_drawn_to_its_neighbours_and_probed():
+    """The demo pair's split: width 9 (k=8) measured three times on its first, slow calls stood
+    20% above width 8, k=8 was never chosen again and width 9 never measured again."""
+    table = CostTable()
+    for _ in range(20):
+        table.observe(7, 0.00387)
+        table.observe(8, 0.00407)
+    for seconds in (0.0052, 0.0049, 0.0047):
+        table.observe(9, seconds)
+    line = 0.00407 + 0.0002
+    assert table.estimate(9) == pytest.approx(3 / 8 * 0.0049 + 5 / 8 * line)  # was 0.0049
+    for _ in range(5):
+        table.observe(9, 0.0042)
+    assert table.estimate(9) == pytest.approx(0.0042)  # measured max_weight times: its own median
+
+    policy = DraftPolicy(K, probe_every=4)
+    for tokens in range(1, K + 1):
+        policy.record_forward(tokens, DECODE * (1 + 0.01 * tokens))
+    policy.record_forward(K + 1, 3 * DECODE)  # the widest, once, on a slow first call
+    for width in range(2, K + 2):
+        policy.record_propose(width, 0.001)
+    for _ in range(50):
+        policy.record_verify(K, K - 1)  # position K never accepted: the optimistic view asks no more
+    decisions = run(policy, 8)  # (run() measures no forwards: width K + 1 stays barely known)
+    assert {d.k for d in decisions} == {K - 1}
+    assert [d.probe_k for d in decisions] == [0, 0, 0, K] * 2, decisions  # probes measure width K + 1
+    for _ in range(8):
+        policy.record_forward(K + 1, DECODE * (1 + 0.01 * (K + 1)))
+    assert not any(d.probe_k for d in run(policy, 8))  # known now, and acceptance has nothing to teach
+
+
 def test_policy_recovers_when_the_drafter_gets_good_again():
     policy = measured_policy(0.05 * DECODE, 0.001)
     run(policy, 200, accepted=0)
