@@ -85,13 +85,13 @@ class Child:
     @classmethod
     def start(cls, name: str, module: str, args: list[str], env: dict[str, str], out_lock: threading.Lock,
               echo: bool = True) -> Child:
-        # Its own process group (Ctrl-C reaches `up` alone, which stops each in order), and no
+        # Its own session (Ctrl-C reaches `up` alone, which stops each in order), and no
         # preexec_fn: with one, Python forks rather than spawns, and gRPC's fork handlers
-        # (this process has used gRPC) crashed ~40% of such children before exec in a test
-        # (tests/test_demo.py). Each service stops with `up` by itself (stop_with_parent).
+        # (this process has used gRPC) crashed ~40% of such children before exec
+        # (tests/test_up_children.py). Each service stops with `up` by itself (stop_with_parent).
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env | {PARENT_PID_ENV: str(os.getpid())}, process_group=0, text=True,
+                                env=env | {PARENT_PID_ENV: str(os.getpid())}, start_new_session=True, text=True,
                                 errors="replace", bufsize=1)
         child = cls(name, proc)
         threading.Thread(target=child._pump, args=(out_lock, echo), name=f"log-{name}", daemon=True).start()
