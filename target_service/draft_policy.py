@@ -161,22 +161,25 @@ class CostTable:
     A median, not a running mean: a stall (the scheduler, a page fault, another process)
     is one sample among `window` and moves nothing, where an EWMA had lifted a verify width
     measured during one by 20% and, once that width looked dear, never measured it again
-    (the demo pair's policy then asked for 7 drafts where 8 paid). Estimates are monotone
-    in the width (a wider step never looks cheaper than a narrower one, so noise cannot
-    make drafts look free): the isotonic fit of the per-width medians, each weighted by how
-    often it was measured (up to `max_weight`), so a width measured once, perhaps on its
-    first call, yields to the widths measured all along instead of dragging them to its
-    value. The widest width has no wider one to pool with: measured only on its first, slow
-    calls, the demo pair's width-9 verify stood 20% above width 8 and k=8 was never chosen
-    again, so the policy probes such a width until it is measured `max_weight` times
-    (DraftPolicy.decide). A width is never drawn toward its neighbours' line instead: the
-    line of batch-1 verifies priced a batch of 8's verify at 4.3 ms where it takes 6.6, and
-    the split then drafted at concurrency 8 at 0.68× target-only; linear between measured widths, flat below the narrowest, and beyond the widest
-    extended by the last slope, or by `prior_slope` × (seconds per unit of the widest) when
-    only one is known. Past `reach` × the widest, nothing is extrapolated (infinite cost): a
-    batch eight times the size of any measured is not priced from a slope fitted at batch
-    1, so the policy widens its steps gradually, each new width measured before a wider one
-    is tried."""
+    (the demo pair's policy then asked for 7 drafts where 8 paid).
+
+    Estimates are monotone in the width (a wider step never looks cheaper than a narrower
+    one, so noise cannot make drafts look free): the isotonic fit of the per-width medians,
+    each weighted by how many samples it holds (up to `max_weight`), so a width measured
+    once, perhaps on its first call, yields to the widths measured all along instead of
+    dragging them to its value. The widest width has no wider one to pool with: measured
+    only on its first, slow calls, the demo pair's width-9 verify stood 20% above width 8
+    and k=8 was never chosen again, so the policy probes such a width until it is measured
+    `max_weight` times (DraftPolicy.decide).
+
+    A width is never drawn toward its neighbours' line: the line of batch-1 verifies
+    priced a batch of 8's verify at 4.3 ms where it takes 6.6, and the split then drafted
+    at concurrency 8 at 0.68× target-only. Between measured widths the fit is linear; below
+    the narrowest it is flat; beyond the widest it is extended by the last slope, or by
+    `prior_slope` × (seconds per unit of the widest) when only one is known. Past `reach` ×
+    the widest nothing is extrapolated (infinite cost): a batch eight times the size of any
+    measured is not priced from a slope fitted at batch 1, so the policy widens its steps
+    gradually, each new width measured before a wider one is tried."""
 
     window: int = 9
     prior_slope: float = 0.15
@@ -185,12 +188,15 @@ class CostTable:
     max_weight: float = 8.0
     _samples: dict[int, collections.deque] = field(default_factory=dict)  # width → its last `window` seconds
     _seconds: dict[int, float] = field(default_factory=dict)  # width → the median of its samples
-    _counts: dict[int, int] = field(default_factory=dict)
+    _narrowest: int | None = None
     _fit: tuple[list[int], list[float]] | None = None  # (widths, isotonic values) until the next observe
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if not 1 <= self.max_weight <= self.window:
+            raise ValueError(f"max_weight must be in [1, window={self.window}] (a weight counts the samples kept), "
+                             f"got {self.max_weight}")
 
     def observe(self, width: int, seconds: float) -> None:
         if width <= 0 or seconds < 0:
@@ -202,20 +208,21 @@ class CostTable:
             samples = self._samples[width] = collections.deque(maxlen=self.window)
         samples.append(seconds)
         self._seconds[width] = statistics.median(samples)
-        self._counts[width] = self._counts.get(width, 0) + 1
+        if self._narrowest is None or width < self._narrowest:
+            self._narrowest = width
         self._fit = None
 
     def clear(self) -> None:
         self._samples.clear()
         self._seconds.clear()
-        self._counts.clear()
+        self._narrowest = None
         self._fit = None
 
     def _fitted(self) -> tuple[list[int], list[float]]:
         """Fitted once per change, not per estimate: a decision asks for 2·(K+1) estimates."""
         if self._fit is None:
             widths = sorted(self._seconds)
-            weights = [min(self._counts[w], self.max_weight) for w in widths]
+            weights = [self.weight(w) for w in widths]
             self._fit = widths, isotonic([self._seconds[w] for w in widths], weights)
         return self._fit
 
@@ -224,12 +231,13 @@ class CostTable:
         return bool(self._seconds)
 
     def weight(self, width: int) -> float:
-        """How much the fit trusts this width's own samples: min(times measured, max_weight)."""
-        return min(self._counts.get(width, 0), self.max_weight)
+        """How much the fit trusts this width's own samples: min(samples kept, max_weight)."""
+        samples = self._samples.get(width)
+        return min(len(samples), self.max_weight) if samples else 0.0
 
     def below_measured(self, width: int) -> bool:
         """Narrower than every measured width: its estimate is only the narrowest's, a bound."""
-        return bool(self._seconds) and width < min(self._seconds)
+        return self._narrowest is not None and width < self._narrowest
 
     def estimate(self, width: int) -> float:
         if not self._seconds:

@@ -175,6 +175,20 @@ def test_a_stall_moves_nothing_and_a_lasting_change_moves_a_width_within_half_it
     assert table.estimate(9) == pytest.approx(0.0060)  # with the stall, 5 of the last 9 samples
     with pytest.raises(ValueError, match="window must be >= 1"):
         CostTable(window=0)
+    with pytest.raises(ValueError, match="max_weight must be in"):
+        CostTable(window=4)  # a weight of 8 needs 8 samples kept
+
+
+def test_below_measured_follows_the_narrowest_width_seen_and_forgets_it_on_clear():
+    table = CostTable()
+    assert not table.below_measured(1)
+    table.observe(9, 0.0044)
+    assert table.below_measured(1) and not table.below_measured(9)
+    table.observe(2, 0.0040)
+    assert not table.below_measured(2) and table.below_measured(1)
+    assert table.weight(2) == 1 and table.weight(3) == 0
+    table.clear()
+    assert not table.below_measured(1) and table.weight(2) == 0
 
 
 def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: bool = True,
