@@ -3,7 +3,7 @@ that are never accepted, keeps asking for drafts that always are, and the output
 target's own either way.
 
 The step costs are an injected, fixed table (drafts cheap: a verify token costs 2% of a
-decode, a Propose 1%), so what the policy decides depends on acceptance alone and never on
+decode, a Propose 1%, a drafter's catch-up nothing), so what the policy decides depends on acceptance alone and never on
 this machine's timing. The acceptance is real: a draft model that is the target itself
 (every draft right) or another random model (practically every draft wrong)."""
 
@@ -69,6 +69,8 @@ def _core(target, draft, shm_dir):
     policy = core.speculator.policy
     policy.forward = FixedCosts(lambda tokens: DECODE * (1 + 0.02 * (tokens - 1)))
     policy.propose = FixedCosts(lambda width: 0.01 * DECODE * width)
+    policy.record_catch_up = lambda *args: None  # a catch-up's measured seconds would price it: catch-ups are free
+    policy.catch_up_per_row = None
     policy.probe_every = PROBE_EVERY
     return core
 
