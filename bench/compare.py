@@ -164,10 +164,11 @@ def run_dflash_generate(target, dflash, prompts: list[list[int]], new_tokens: in
 
 
 def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, concurrency: int,
-               speculate: bool = True) -> tuple[int, float, int, int, int]:
-    """Keep `concurrency` requests in flight; (tokens, seconds, steps, drafts, accepted)."""
+               speculate: bool = True, outputs: dict[int, list[int]] | None = None) -> tuple[int, float, int, int, int]:
+    """Keep `concurrency` requests in flight; (tokens, seconds, steps, drafts, accepted). With
+    `outputs`, each prompt's generated tokens are collected there, by the prompt's index."""
     pending = list(enumerate(prompts))
-    in_flight: set[str] = set()
+    in_flight: dict[str, int] = {}
     tokens = steps = drafts = accepted = 0
     start = time.perf_counter()
     while pending or in_flight:
@@ -176,12 +177,14 @@ def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, conc
             rid = f"c{concurrency}-{i}-{time.monotonic_ns()}"
             core.add(EngineRequest(rid, tuple(ids), stop=StopParams(max_tokens=new_tokens, ignore_eos=True),
                                    speculation=SpeculationParams(disable=not speculate)))
-            in_flight.add(rid)
+            in_flight[rid] = i
         steps += 1
         for out in core.step():
             tokens += len(out.token_ids)
+            if outputs is not None:
+                outputs.setdefault(in_flight[out.request_id], []).extend(out.token_ids)
             if out.finish_reason is not None:
-                in_flight.discard(out.request_id)
+                del in_flight[out.request_id]
                 drafts += out.usage.num_drafts
                 accepted += out.usage.accepted_tokens
     return tokens, time.perf_counter() - start, steps, drafts, accepted
