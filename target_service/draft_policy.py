@@ -12,9 +12,9 @@ tokens per second beat those of a step without drafts:
 - p_j: P(draft j accepted | drafts 1..j-1 accepted), from discounted counts per draft
   position over the verifies of the current drafter epoch (`AcceptanceEstimate`); a probe
   tests the k an optimistic view of them would choose (`DraftPolicy`).
-- forward(T): measured seconds of one forward with T query tokens in all (`CostTable`,
-  the median of each width's recent samples, monotone and piecewise linear between
-  measured widths).
+- forward(T): measured seconds of one forward of the n sequences with T query tokens in
+  all (`BatchCostTables`: per batch size, the median of each width's recent samples,
+  monotone and piecewise linear between measured widths).
 - propose(W): the measured `Propose` round trip by draft positions asked (n·(k+1)),
   transport included, in steady state (every sequence drafted last step too).
 - catch-up: a step without drafts sends no Propose (speculation.py defers its context to
@@ -260,6 +260,44 @@ class CostTable:
         return values[i - 1] + (values[i] - values[i - 1]) * (width - lo) / (hi - lo)
 
 
+@dataclass
+class BatchCostTables:
+    """Forward seconds by batch size (decoding sequences) and width (query tokens): one
+    `CostTable` per batch size.
+
+    A width's cost depends on how many sequences share it: each brings its own attention
+    over its own context and its own per-sequence work. Keyed by width alone, the table
+    priced a batch of 8 with one draft each (width 16) from concurrency 1's verifies, 4.4 ms
+    (flat past width 9), where it takes ~8 ms; the policy then drafted whole batches of 8,
+    each step also catching the drafter up on eight prompts, until the measurements stopped
+    it (two compare runs at 0.86 and 0.92 of target-only). A batch size measured nowhere is
+    therefore not priced at all (`DraftPolicy.decide` measures its plain step first)."""
+
+    max_batches: int = 1024  # batch sizes are bounded by max_num_seqs; this bounds the tables regardless
+    window: int = 9
+    _tables: dict[int, CostTable] = field(default_factory=dict)
+
+    def table(self, num_seqs: int) -> CostTable:
+        """The table of this batch size (an empty one, not kept, past `max_batches`)."""
+        table = self._tables.get(num_seqs)
+        if table is None:
+            table = CostTable(window=self.window)
+            if len(self._tables) < self.max_batches:
+                self._tables[num_seqs] = table
+        return table
+
+    @property
+    def known(self) -> bool:
+        return any(table.known for table in self._tables.values())
+
+    def observe(self, num_seqs: int, width: int, seconds: float) -> None:
+        if num_seqs > 0:
+            self.table(num_seqs).observe(width, seconds)
+
+    def clear(self) -> None:
+        self._tables.clear()
+
+
 @dataclass(frozen=True)
 class Decision:
     """A step's drafts: k for every decoding sequence, and `probe_k` (> k) for one of them
@@ -293,8 +331,8 @@ class DraftPolicy:
     min_gain: float = 0.02
     catch_up_horizon: int = 16  # steps a sequence's catch-up is spread over (fewer if it ends sooner)
     acceptance: AcceptanceEstimate = field(init=False)
-    forward: CostTable = field(default_factory=CostTable)
-    propose: CostTable = field(default_factory=CostTable)
+    forward: BatchCostTables = field(default_factory=BatchCostTables)
+    propose: CostTable = field(default_factory=CostTable)  # by draft positions, n·(k+1)
     catch_up_alpha: float = 0.3
     catch_up_per_row: float | None = None  # seconds, an EWMA (`catch_up_alpha`) over catching-up Proposes
     _since_probe: int = 0
@@ -314,30 +352,34 @@ class DraftPolicy:
         self.propose.clear()
         self.catch_up_per_row = None
 
-    def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0) -> Decision:
-        """k for this step's `num_seqs` decoding sequences; `base_tokens`: the step's query tokens
-        without drafts; `max_k`: the most drafts anyone may ask for now (≤ the policy's K);
-        `catch_up_rows`: context rows the drafter would catch up on, each divided by the steps
-        its sequence may still draft (`amortized_rows`)."""
+    def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0,
+               batch_seqs: int | None = None) -> Decision:
+        """k for this step's `num_seqs` decoding sequences that may draft; `base_tokens`: the step's
+        query tokens without drafts; `max_k`: the most drafts anyone may ask for now (≤ the
+        policy's K); `catch_up_rows`: context rows the drafter would catch up on, each divided
+        by the steps its sequence may still draft (`amortized_rows`); `batch_seqs`: the step's
+        sequences in all, drafting or not (default `num_seqs`), whose cost table prices it."""
         max_k = min(max_k, self.max_k)
         if not self.adaptive or max_k <= 0:
             return Decision(max(max_k, 0))
         self.acceptance.age()
         if not (self.forward.known and self.propose.known):
             return Decision(max_k)  # nothing measured yet: speculate, which measures both
-        if self.forward.below_measured(base_tokens):
-            # A step without drafts narrower than any measured would be priced as the narrowest
+        forward = self.forward.table(num_seqs if batch_seqs is None else batch_seqs)
+        if not forward.known or forward.below_measured(base_tokens):
+            # A batch size never measured is not priced from another's widths (BatchCostTables),
+            # and a step without drafts narrower than any measured would be priced as the narrowest
             # measured (an upper bound): drafts would look free. Measure it once first (a batch
             # of 8 that had only drafted was priced 14.9 ms a step without drafts; it takes 5.3).
             return Decision(0)
         catch_up = catch_up_rows * (self.catch_up_per_row or 0.0)
-        k = self._best_k(self.acceptance.values, num_seqs, base_tokens, max_k, catch_up)
+        k = self._best_k(forward, self.acceptance.values, num_seqs, base_tokens, max_k, catch_up)
         self._since_probe += 1
         if self._since_probe < (self._probe_gap or self.probe_every):
             return Decision(k)
-        probe_k = self._best_k(self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
+        probe_k = self._best_k(forward, self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
         if probe_k <= k:
-            if not (0 < k < max_k and self.forward.weight(base_tokens + num_seqs * k + 1) < self.forward.max_weight):
+            if not (0 < k < max_k and forward.weight(base_tokens + num_seqs * k + 1) < forward.max_weight):
                 return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
             # Acceptance has nothing to teach, but one draft more would measure a width the cost
             # table barely knows (it leans on its neighbours until measured max_weight times).
@@ -347,9 +389,9 @@ class DraftPolicy:
         self._probe_gap = min(2 * gap, self.max_probe_every) if k == 0 else self.probe_every
         return Decision(k, probe_k)
 
-    def _best_k(self, acceptance: list[float], num_seqs: int, base_tokens: int, max_k: int,
+    def _best_k(self, forward: CostTable, acceptance: list[float], num_seqs: int, base_tokens: int, max_k: int,
                 catch_up_seconds: float) -> int:
-        return choose_num_drafts(acceptance, max_k, num_seqs, base_tokens, self.forward.estimate,
+        return choose_num_drafts(acceptance, max_k, num_seqs, base_tokens, forward.estimate,
                                  self.propose.estimate, self.min_gain, catch_up_seconds)
 
     def amortized_rows(self, rows_behind: int, steps_left: int) -> float:
@@ -363,8 +405,9 @@ class DraftPolicy:
         self.forward.clear()
         self._since_probe = self._probe_gap = 0
 
-    def record_forward(self, query_tokens: int, seconds: float) -> None:
-        self.forward.observe(query_tokens, seconds)
+    def record_forward(self, num_seqs: int, query_tokens: int, seconds: float) -> None:
+        """A decode or verify forward of `num_seqs` sequences and `query_tokens` tokens in all."""
+        self.forward.observe(num_seqs, query_tokens, seconds)
 
     def record_propose(self, draft_positions: int, seconds: float) -> None:
         """A Propose whose drafting sequences were all caught up: the steady-state cost."""

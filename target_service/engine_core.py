@@ -142,7 +142,7 @@ class EngineCore:
             # The policy prices decode and verify steps only: a prefill chunk's tokens cost less
             # each (no logits, one sequence), and would make wide verifies look cheap.
             query_tokens = sum(s.num_query_tokens for s in plan.scheduled) + sum(map(len, drafts.values()))
-            spec.policy.record_forward(query_tokens, seconds)
+            spec.policy.record_forward(len(plan.scheduled), query_tokens, seconds)
         computed_before = self._advance(plan.scheduled)
         if spec is not None and spec.link.ready:
             spec.record_acceptance(plan.scheduled, {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted)

@@ -236,7 +236,7 @@ class Speculator:
         base = sum(seq.num_uncomputed_tokens for seq in running)  # decodes 1 each, prefills their rest
         if self.max_num_batched_tokens is not None:
             base = min(base, self.max_num_batched_tokens)
-        decision = self.policy.decide(len(limits), base, max(limits.values()), catch_up_rows)
+        decision = self.policy.decide(len(limits), base, max(limits.values()), catch_up_rows, batch_seqs=len(running))
         metrics.num_drafts_chosen.observe(decision.k)
         if decision.probe_k:
             metrics.policy_probes.inc()

@@ -18,7 +18,7 @@ from draft_service.drafters import DrafterConfig
 from draft_service.local import LocalDrafterStub
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams
 from target_service.config import EngineConfig
-from target_service.draft_policy import CostTable, Decision, DraftPolicy
+from target_service.draft_policy import BatchCostTables, CostTable, Decision, DraftPolicy
 from target_service.engine import build_engine_core
 from tests.tiny_models import PROMPTS, REFERENCE_DFLASH_K, TARGET_LAYERS, make_qwen3, make_reference_dflash
 
@@ -49,6 +49,24 @@ class FixedCosts(CostTable):
         return self._per_width(width)
 
 
+class FixedForward(BatchCostTables):
+    """The injected forward costs, the same at every batch size."""
+
+    def __init__(self, per_width) -> None:
+        super().__init__()
+        self._fixed = FixedCosts(per_width)
+
+    def table(self, num_seqs: int) -> CostTable:
+        return self._fixed
+
+    @property
+    def known(self) -> bool:
+        return True
+
+    def observe(self, num_seqs: int, width: int, seconds: float) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("adaptive")
@@ -67,7 +85,7 @@ def _core(target, draft, shm_dir):
     core = build_engine_core(config, drafter_stub=stub)
     assert core.link.ready, core.link.detail
     policy = core.speculator.policy
-    policy.forward = FixedCosts(lambda tokens: DECODE * (1 + 0.02 * (tokens - 1)))
+    policy.forward = FixedForward(lambda tokens: DECODE * (1 + 0.02 * (tokens - 1)))
     policy.propose = FixedCosts(lambda width: 0.01 * DECODE * width)
     policy.record_catch_up = lambda *args: None  # a catch-up's measured seconds would price it: catch-ups are free
     policy.catch_up_per_row = None
@@ -171,7 +189,8 @@ class ScriptedPolicy(DraftPolicy):
         super().__init__(max_k)
         self._script = iter(script)
 
-    def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0) -> Decision:
+    def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0,
+               batch_seqs: int | None = None) -> Decision:
         step = next(self._script, self.max_k)
         k, probe_k = step if isinstance(step, tuple) else (step, 0)
         return Decision(min(k, max_k), min(probe_k, max_k))
@@ -280,8 +299,8 @@ def test_a_probe_asks_one_sequence_of_the_batch(checkpoints, tmp_path):
     lookahead, decide = core.speculator.lookahead, core.speculator.policy.decide
     decisions: list[Decision] = []
 
-    def recording_decide(*args):
-        decisions.append(decision := decide(*args))
+    def recording_decide(*args, **kwargs):
+        decisions.append(decision := decide(*args, **kwargs))
         return decision
 
     def recording_lookahead(running, metrics):

@@ -453,7 +453,8 @@ def test_up_explains_missing_models(tmp_path):
 def test_eval_demo_measures_through_a_real_stack(tmp_path):
     """scripts/eval_demo.py brings the stack up with `splitspec up`'s own arguments (it once
     built them by hand and broke when `up` gained a flag): a draft model that is the target
-    accepts every draft, and the row adds up."""
+    drafts and is accepted, and the row adds up. (Not every draft: `up` runs drafters in
+    bfloat16 on a CPU that has it, the target in float32.)"""
 
     import eval_demo
 
@@ -464,5 +465,5 @@ def test_eval_demo_measures_through_a_real_stack(tmp_path):
     shutil.copytree(target, models / "draft_model")
     row = eval_demo.measure(models, "draft_model", ["def f(x):\n    return", "class A:\n"], 9, 4, 2)
     assert row.requests == 2 and row.completion_tokens == 2 * 9
-    assert row.num_drafts > 0 and row.accepted == row.drafted > 0
+    assert row.num_drafts > 0 and 0 < row.accepted <= row.drafted <= row.num_drafts * 4
     assert row.acceptance_length == pytest.approx((2 * 8) / max(1, 2 * 8 - row.accepted))

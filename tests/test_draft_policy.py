@@ -195,7 +195,7 @@ def measured_policy(forward_per_token: float, propose_seconds: float, adaptive: 
                     probe_every: int = 4) -> DraftPolicy:
     policy = DraftPolicy(K, adaptive=adaptive, probe_every=probe_every)
     for tokens in range(1, K + 2):
-        policy.record_forward(tokens, DECODE + forward_per_token * (tokens - 1))
+        policy.record_forward(1, tokens, DECODE + forward_per_token * (tokens - 1))
     for width in range(1, K + 2):
         policy.record_propose(width, propose_seconds)
     return policy
@@ -242,7 +242,7 @@ def test_no_probe_where_even_the_optimistic_view_would_not_pay():
     policy never probes (a probe would cost a wider verify and a catch-up for nothing)."""
     policy = DraftPolicy(K, probe_every=1)
     for tokens in (16, 32, 64, 144):
-        policy.record_forward(tokens, DECODE * tokens / 16 * 1.6)
+        policy.record_forward(16, tokens, DECODE * tokens / 16 * 1.6)
     policy.record_propose(16 * (K + 1), 0.004)
     for _ in range(50):
         policy.record_verify(K, 2)
@@ -253,12 +253,12 @@ def test_a_step_without_drafts_narrower_than_any_measured_is_measured_before_dra
     """A batch that only ever drafted knows the cost of its verify widths, not of a step
     without drafts: priced as the narrowest measured width, drafts would look free."""
     policy = DraftPolicy(K)
-    policy.record_forward(8 * (K + 1), 0.015)  # the batch of 8 drafted K at its first step
+    policy.record_forward(8, 8 * (K + 1), 0.015)  # the batch of 8 drafted K at its first step
     policy.record_propose(8 * (K + 1), 0.005)
     for _ in range(20):
         policy.record_verify(K, 1)
     assert policy.decide(8, 8, K) == Decision(0)  # measure width 8 first
-    policy.record_forward(8, 0.0055)
+    policy.record_forward(8, 8, 0.0055)
     assert policy.decide(8, 8, K).k == 0  # and then drafts do not pay
 
 
@@ -294,8 +294,8 @@ def test_a_widest_width_measured_on_its_first_slow_calls_is_probed_until_measure
 
     policy = DraftPolicy(K, probe_every=4)
     for tokens in range(1, K + 1):
-        policy.record_forward(tokens, DECODE * (1 + 0.01 * tokens))
-    policy.record_forward(K + 1, 3 * DECODE)  # the widest, once, on a slow first call
+        policy.record_forward(1, tokens, DECODE * (1 + 0.01 * tokens))
+    policy.record_forward(1, K + 1, 3 * DECODE)  # the widest, once, on a slow first call
     for width in range(2, K + 2):
         policy.record_propose(width, 0.001)
     for _ in range(50):
@@ -304,7 +304,7 @@ def test_a_widest_width_measured_on_its_first_slow_calls_is_probed_until_measure
     assert {d.k for d in decisions} == {K - 1}
     assert [d.probe_k for d in decisions] == [0, 0, 0, K] * 2, decisions  # probes measure width K + 1
     for _ in range(8):
-        policy.record_forward(K + 1, DECODE * (1 + 0.01 * (K + 1)))
+        policy.record_forward(1, K + 1, DECODE * (1 + 0.01 * (K + 1)))
     assert not any(d.probe_k for d in run(policy, 8))  # known now, and acceptance has nothing to teach
 
 
@@ -357,17 +357,44 @@ def test_the_policy_name_is_validated_in_the_config():
 
 
 def test_widths_far_past_the_measured_ones_are_not_extrapolated():
-    """Costs measured at batch 1 (widths 1..9) price k = 1 for a batch of 8 (width 16), not
-    k = 8 (width 72): the policy widens step by step, measuring each width first."""
+    """A batch size is priced from its own widths only, widened step by step: a batch of 8
+    first measures its step without drafts, then k = 1 (width 16), not k = 8 (width 72)."""
     policy = DraftPolicy(K)
     for tokens in range(1, K + 2):
-        policy.record_forward(tokens, DECODE * (1 + 0.01 * (tokens - 1)))  # verifies look almost free
+        policy.record_forward(1, tokens, DECODE * (1 + 0.01 * (tokens - 1)))  # verifies look almost free
         policy.record_propose(tokens, 0.0001)
     for _ in range(60):
         policy.record_verify(K, K)  # and every draft is accepted
-    assert policy.forward.estimate(2 * (K + 1)) < float("inf") == policy.forward.estimate(2 * (K + 1) + 1)
+    batch_1 = policy.forward.table(1)
+    assert batch_1.estimate(2 * (K + 1)) < float("inf") == batch_1.estimate(2 * (K + 1) + 1)
     assert policy.decide(1, 1, K).k == K
-    assert policy.decide(8, 8, K).k == 1  # width 16: within reach of the measured 9
-    policy.record_forward(16, DECODE * 1.1)
+    assert policy.decide(8, 8, K) == Decision(0)  # never measured at 8 sequences: its plain step first
+    policy.record_forward(8, 8, DECODE * 1.05)
+    assert policy.decide(8, 8, K).k == 1  # width 16: within reach of the measured 8
+    policy.record_forward(8, 16, DECODE * 1.1)
     policy.record_propose(16, 0.0002)
     assert policy.decide(8, 8, K).k == 3  # width 32 now within reach
+
+
+def test_a_batch_is_not_priced_from_another_batch_sizes_widths():
+    """After concurrency 1, a batch of 8 with one draft each (width 16) was priced at batch 1's
+    verify, 4.4 ms (flat past width 9), where it takes ~8 ms: the policy drafted whole batches
+    of 8 for nothing. Each batch size now has its own table; `batch_seqs` names it when some of
+    the step's sequences may not draft."""
+    policy = DraftPolicy(K)
+    for tokens in range(1, K + 2):
+        policy.record_forward(1, tokens, 0.0041 + 0.00003 * (tokens - 1))  # the demo pair at concurrency 1
+        policy.record_propose(tokens, 0.0018)
+    for _ in range(60):
+        policy.record_verify(K, 2)
+    assert policy.decide(1, 1, K).k > 0
+    assert policy.decide(8, 8, K) == Decision(0)
+    for _ in range(3):
+        policy.record_forward(8, 8, 0.0077)  # 8 decodes: 7.7 ms, not batch 1's 4.3 for width 8
+    table = policy.forward.table(8)
+    assert table.estimate(8) == pytest.approx(0.0077) and policy.forward.table(1).estimate(8) < 0.005
+    assert policy.decide(6, 8, K, batch_seqs=8).k == 1  # 2 of the 8 may not draft: still batch 8's table
+    assert policy.decide(6, 8, K) == Decision(0)  # a batch of 6 was never measured
+    assert policy.forward.table(7).known is False
+    policy.forget_measurements()
+    assert not policy.forward.known

@@ -56,7 +56,10 @@ def speculating_target_args(model: Path, shm_dir: Path, kv_dtype: str, drafter: 
 
 
 def drafter_args(kind: str, models: Models, shm_dir: Path) -> list[str]:
-    model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm)], "dflash": ["--model", str(models.dflash)]}
+    # The draft LM is the target itself, computing in the target's float32 (`auto` would take
+    # bfloat16 on a CPU that has it): then every draft is accepted, which checks the bonus path.
+    model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm), "--dtype", "float32"],
+             "dflash": ["--model", str(models.dflash)]}
     return ["--kind", kind, *model[kind], "--target-model", str(models.target), "--port", "0",
             "--num-speculative-tokens", "4", "--shm-dir", str(shm_dir)]
 
