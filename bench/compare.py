@@ -17,6 +17,7 @@ decoding, not the client. Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import secrets
@@ -215,6 +216,25 @@ def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None
                         drafter_timeout_s=60.0, drafter_startup_wait_s=300.0, speculative_policy=policy)
 
 
+def in_process_engine(models: Path, shm_dir: str, k: int, kind: str = "dflash", policy: str = "adaptive",
+                      dtype: str | None = None) -> EngineCore:
+    """The demo target with the demo drafter of `kind` called in this process (no second one)."""
+    drafter = LocalDrafterStub(DrafterConfig(kind=kind, model=str(models / kind), target_model=str(models / "target"),
+                                             shm_dir=shm_dir))
+    config = engine_config(models, shm_dir, k, "in-process", "unused", policy)
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=dtype)
+    return build_engine_core(config, drafter_stub=drafter)
+
+
+def load_held_out(models: Path, num_prompts: int):
+    """(the demo tokenizer, the first `num_prompts` held-out prompts as its token ids)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models / "target")
+    return tokenizer, [tokenizer.encode(text) for text in held_out_prompts(num_prompts)]
+
+
 def median_of(runs: list[T], key: Callable[[T], float] = lambda x: x) -> T:
     """The run of median duration: a shared machine's stalls land in the tails."""
     return sorted(runs, key=key)[len(runs) // 2]
@@ -316,9 +336,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
             if not core.link.ready:
                 raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
             core.warmup()
-        local = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(models / "dflash"),
-                                               target_model=str(models / "target"), shm_dir=tmp))
-        core = build_engine_core(engine_config(models, tmp, k, "in-process", "unused", policy), drafter_stub=local)
+        core = in_process_engine(models, tmp, k, "dflash", policy)
         core.warmup()
         rows.append(EngineRow(8, "splitspec + dflash (1 process)", core))
         results = []
@@ -471,10 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
-    prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts)]
+    tokenizer, prompts = load_held_out(args.models, args.prompts)
     levels = tuple(int(c) for c in args.concurrency.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         results = reference_rows(args.models, prompts, args.new_tokens, levels, args.repeat, tokenizer)

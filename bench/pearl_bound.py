@@ -34,11 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.compare import engine_config, run_engine  # noqa: E402
-from draft_service.drafters import DrafterConfig  # noqa: E402
-from draft_service.local import LocalDrafterStub  # noqa: E402
-from splitspec.heldout import held_out_prompts  # noqa: E402
-from target_service.engine import build_engine_core  # noqa: E402
+from bench.compare import in_process_engine, load_held_out, run_engine  # noqa: E402
 
 
 def counter(registry, name: str, labels: dict[str, str] | None = None) -> float:
@@ -47,10 +43,7 @@ def counter(registry, name: str, labels: dict[str, str] | None = None) -> float:
 
 def measure(models: Path, kind: str, prompts: list[list[int]], new_tokens: int, k: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as shm_dir:
-        stub = LocalDrafterStub(DrafterConfig(kind=kind, model=str(models / kind),
-                                              target_model=str(models / "target"), shm_dir=shm_dir))
-        core = build_engine_core(engine_config(models, shm_dir, k, "in-process", "unused", "fixed"),
-                                 drafter_stub=stub)
+        core = in_process_engine(models, shm_dir, k, kind, "fixed")
         try:
             core.warmup()
             tokens, seconds, steps, drafts, accepted = run_engine(core, prompts, new_tokens, 1)
@@ -79,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
-    prompts = [tokenizer.encode(text) for text in held_out_prompts(args.prompts)]
+    _, prompts = load_held_out(args.models, args.prompts)
     print(f"fixed K={args.k}, {len(prompts)} held-out prompts x {args.new_tokens} tokens, concurrency 1, "
           f"drafter in-process\n")
     print("| drafter | accepted drafts per drafted step | steps with all K accepted | Propose ms | step ms "

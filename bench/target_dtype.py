@@ -29,10 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.compare import engine_config, run_engine  # noqa: E402
-from draft_service.drafters import DrafterConfig  # noqa: E402
-from draft_service.local import LocalDrafterStub  # noqa: E402
-from splitspec.heldout import held_out_prompts  # noqa: E402
+from bench.compare import engine_config, in_process_engine, load_held_out, run_engine  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
 
@@ -42,11 +39,7 @@ DTYPES = ("float32", "bfloat16")
 def build_pair(models: Path, shm_dir: str, dtype: str, k: int) -> tuple[EngineCore, EngineCore]:
     """(target only, target + in-process DFlash) computing in `dtype`."""
     plain = build_engine_core(dataclasses.replace(engine_config(models, shm_dir, k), dtype=dtype))
-    drafter = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(models / "dflash"),
-                                             target_model=str(models / "target"), shm_dir=shm_dir))
-    speculative = build_engine_core(
-        dataclasses.replace(engine_config(models, shm_dir, k, "in-process", "unused"), dtype=dtype),
-        drafter_stub=drafter)
+    speculative = in_process_engine(models, shm_dir, k, "dflash", dtype=dtype)
     for core in (plain, speculative):
         core.warmup()
     return plain, speculative
@@ -76,10 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
-    prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts)]
+    _, prompts = load_held_out(args.models, args.prompts)
     with tempfile.TemporaryDirectory() as shm_dir:
         cores = {dtype: build_pair(args.models, shm_dir, dtype, args.k) for dtype in DTYPES}
         rates: dict[tuple[str, str], list[float]] = {}
