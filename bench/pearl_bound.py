@@ -41,18 +41,25 @@ def counter(registry, name: str, labels: dict[str, str] | None = None) -> float:
     return registry.get_sample_value(name, labels or {}) or 0.0
 
 
+def counters(registry, k: int) -> tuple[float, float, float, float]:
+    """Drafted steps, steps with all k accepted, Propose seconds and Proposes, so far."""
+    return (counter(registry, "splitspec_spec_decode_num_drafts_total"),
+            counter(registry, "splitspec_spec_decode_num_accepted_tokens_per_pos_total", {"position": str(k - 1)}),
+            counter(registry, "splitspec_drafter_propose_latency_seconds_sum"),
+            counter(registry, "splitspec_drafter_propose_latency_seconds_count"))
+
+
 def measure(models: Path, kind: str, prompts: list[list[int]], new_tokens: int, k: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as shm_dir:
         core = in_process_engine(models, shm_dir, k, kind, "fixed")
         try:
             core.warmup()
+            run_engine(core, prompts, new_tokens, 1)  # every step shape once: their compiles are not measured
+            core.runner.forward.wait_ready()
+            before = counters(core.metrics.registry, k)
             tokens, seconds, steps, drafts, accepted = run_engine(core, prompts, new_tokens, 1)
-            registry = core.metrics.registry
-            num_drafts = counter(registry, "splitspec_spec_decode_num_drafts_total")
-            all_accepted = counter(registry, "splitspec_spec_decode_num_accepted_tokens_per_pos_total",
-                                   {"position": str(k - 1)})
-            propose_s = counter(registry, "splitspec_drafter_propose_latency_seconds_sum")
-            proposes = counter(registry, "splitspec_drafter_propose_latency_seconds_count")
+            num_drafts, all_accepted, propose_s, proposes = (
+                now - then for now, then in zip(counters(core.metrics.registry, k), before, strict=True))
         finally:
             core.close()
     all_fraction = all_accepted / num_drafts if num_drafts else 0.0

@@ -9,7 +9,7 @@ from common.attention_backends import BACKEND_CHOICES
 from common.cli import add_metrics_args, add_threads_arg, run_service
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES
-from draft_service.drafters import KINDS
+from draft_service.drafters import KINDS, DrafterConfig
 from splitspec.cli_args import HelpFormatter, add_log_level, parse_bytes, positive_int
 
 
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to match")
     model.add_argument("--ngram-max", type=positive_int, default=4, help="longest n-gram to match")
     add_threads_arg(model, "1 on a CPU, where the target owns the cores; torch's on a GPU")
+    model.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DrafterConfig.compile,
+                       help="the draft model's steps through the compiled forward (common/compiled_forward.py)")
 
     model.add_argument("--shm-dir", default="/dev/shm",
                        help="the target's --shm-dir: the only folder the drafter maps a CPU pool file from")
@@ -72,6 +74,7 @@ def serve_config(args: argparse.Namespace):
         ngram_max=args.ngram_max,
         attention_backend=args.attention_backend,
         shm_dir=args.shm_dir,
+        compile=args.compile,
     )
     return DraftServeConfig(
         drafter=drafter,

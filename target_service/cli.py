@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from common.attention_backends import BACKEND_CHOICES
+from common.compiled_forward import CompileConfig
 from common.cli import add_metrics_args, add_threads_arg, run_service
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES, ORDERS, CacheConfig
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="attention kernels (auto: the best one for the device)")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     add_threads_arg(model, "torch's, one per core")
+    model.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
+                       help="run decode and verify steps through the compiled forward (common/compiled_forward.py)")
+    model.add_argument("--compile-max-tokens", type=positive_int, default=CompileConfig.max_tokens, metavar="N",
+                       help="the largest step, in tokens, that runs compiled; larger ones run eagerly")
 
     cache = p.add_argument_group("KV cache")
     cache.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
@@ -132,6 +137,9 @@ def serve_config(args: argparse.Namespace):
         speculative_policy=args.speculative_policy,
         propose_transport=args.propose_transport,
         threads=args.threads,
+        compile=CompileConfig(enabled=args.compile, exact_tokens=min(CompileConfig.exact_tokens,
+                                                                      args.compile_max_tokens),
+                              max_tokens=args.compile_max_tokens),
     )
     return ServeConfig(
         engine=engine,

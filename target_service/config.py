@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.attention_backends import check_backend_name
+from common.compiled_forward import CompileConfig
 from common.dtypes import check_dtype_name
 from common.kv_layout import CacheConfig
 from target_service.draft_policy import SPECULATIVE_POLICIES
@@ -38,6 +39,7 @@ class EngineConfig:
     speculative_policy: str = "adaptive"  # draft_policy.SPECULATIVE_POLICIES: adaptive (k per step) | fixed (K)
     propose_transport: str = "auto"  # PROPOSE_TRANSPORTS: auto (the pool's shm channel on a CPU) | grpc
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
+    compile: CompileConfig = field(default_factory=CompileConfig)  # which step shapes run compiled
 
     def __post_init__(self) -> None:
         if self.drafter and not self.internal_token:

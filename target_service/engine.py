@@ -67,7 +67,7 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     if device.type == "cpu":
         remove_stale_shm_files(config.cache.shm_dir)
     pool = PagePool.create(layout, device, config.cache.shm_dir)
-    runner = ModelRunner(model, backend_cls, pool, device)
+    runner = ModelRunner(model, backend_cls, pool, device, config.compile)
     info = ModelInfo(
         model_id=config.model,
         architecture=(hf_config.architectures or ["unknown"])[0],

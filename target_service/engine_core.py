@@ -262,7 +262,9 @@ class EngineCore:
     # --- life ----------------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """One prefill and a few decodes through every code path, then free everything."""
+        """One prefill and a few decodes through every code path, then free everything; the
+        compiled forward's decode and one-sequence verify buckets are compiled first."""
+        self.runner.forward.prepare([1, self.config.num_speculative_tokens + 1] if self.speculator is not None else [1])
         n = min(32, self.config.max_num_batched_tokens, self.model_info.max_model_len - 4)
         request = EngineRequest(WARMUP_REQUEST_ID, tuple([0] * max(1, n)), stop=StopParams(max_tokens=3, ignore_eos=True))
         served, self.metrics = self.metrics, TargetMetrics()  # warmup traffic is not served traffic
@@ -276,4 +278,5 @@ class EngineCore:
                 self.speculator.policy.forget_measurements()
 
     def close(self) -> None:
+        self.runner.forward.close()
         self.shared.close()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention_metadata import AttentionMetadata
+from common.compiled_forward import CompileConfig, CompiledForward
 from common.kv_pool import PagePool
 from target_service.sampling import SamplingSpec
 from target_service.scheduler import ScheduledSeq
@@ -22,8 +23,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, backend_cls: type, pool: PagePool, device: torch.device) -> None:
+    def __init__(self, model, backend_cls: type, pool: PagePool, device: torch.device,
+                 compile_config: CompileConfig = CompileConfig(enabled=False)) -> None:
         self.model = model
+        self.forward = CompiledForward(model, compile_config)  # the model's own forward where not compiled
         self.device = device
         self.backend_cls = backend_cls
         self.install_pool(pool)
@@ -79,7 +82,7 @@ class ModelRunner:
         """
         inputs = self.build_inputs(scheduled, drafts)
         self.backend.plan(inputs.meta)
-        hidden, captured = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
+        hidden, captured = self.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
                                       capture_layers=self.capture_layers)  # [T, hidden]
         self._stage_hidden(captured, inputs.meta.num_tokens)
         rows, spans = self._logit_rows(scheduled, drafts, inputs)

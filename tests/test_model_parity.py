@@ -13,23 +13,17 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.attention import TorchAttentionBackend
-from common.attention_metadata import AttentionMetadata
-from common.kv_layout import build_layout
-from common.kv_pool import PagePool
 from common.qwen3 import Qwen3ForCausalLM, WeightLoadError
 from common.weights import ModelNotFoundError, iter_safetensors, resolve_model_path
-from tests.tiny_models import PROMPTS, make_qwen3, make_tokenizer
+from tests.paged_runner import CPU, PagedRunner, Seq
+from tests.tiny_models import PROMPTS, make_llama_family, make_qwen3
 
-CPU = torch.device("cpu")
-PAGE_SIZE = 4
 NEW_TOKENS = 32
 LOGIT_ATOL = 1e-4
 QUANTIZED_KV_BOUNDS = {
@@ -42,48 +36,6 @@ QUANTIZED_KV_BOUNDS = {
 
 # ---------------------------------------------------------------------------------------
 # Checkpoints and reference models
-
-
-def make_llama_family(out_dir: Path, model_type: str) -> Path:
-    """A tiny random LlamaForCausalLM (llama3 rope, biased attention, tied embeddings) or
-    Qwen2ForCausalLM (q/k/v bias), saved like make_qwen3."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = make_tokenizer(out_dir)
-    fields = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    if model_type == "llama":
-        rope = dict(
-            rope_type="llama3",
-            rope_theta=10000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        )
-        config = LlamaConfig(
-            **fields, head_dim=16, attention_bias=True, tie_word_embeddings=True, rope_parameters=rope
-        )
-        cls = LlamaForCausalLM
-    else:
-        config = Qwen2Config(**fields, tie_word_embeddings=False)
-        cls = Qwen2ForCausalLM
-    torch.manual_seed(1)
-    model = cls(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
 
 
 def load_hf(path: Path):
@@ -112,94 +64,6 @@ def hf_qwen3(qwen3_dir):
 @pytest.fixture(scope="module")
 def qwen3(qwen3_dir) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM.from_pretrained(qwen3_dir, torch.float32, CPU)
-
-
-# ---------------------------------------------------------------------------------------
-# A small paged runner: pages from a shuffled free list, one batched forward per step.
-
-
-@dataclass
-class Seq:
-    tokens: list[int]
-    computed: int = 0
-    table: list[int] = field(default_factory=list)
-
-
-class PagedRunner:
-    def __init__(
-        self,
-        model: Qwen3ForCausalLM,
-        shm_dir: Path,
-        *,
-        order: str = "NHD",
-        kv_dtype: str = "float32",
-        num_pages: int = 512,
-    ) -> None:
-        layout = build_layout(
-            order=order,
-            page_size=PAGE_SIZE,
-            kv_dtype=kv_dtype,
-            num_pages=num_pages,
-            layers=model.kv_layer_specs(),
-            target_id="7e57",
-        )
-        self.model = model
-        self.pool = PagePool.create(layout, CPU, shm_dir=shm_dir)
-        self.caches = self.pool.kv_caches("target")
-        self.backend = TorchAttentionBackend(layout)
-        self.free = list(range(num_pages))
-        random.Random(0).shuffle(self.free)  # non-contiguous pages
-
-    def close(self) -> None:
-        self.pool.close()
-
-    def step(self, seqs: list[Seq], chunk_lens: list[int], capture: tuple[int, ...] = ()):
-        """Run the next chunk_lens[b] uncomputed tokens of each sequence; logits [T, V] per sequence."""
-        ids, positions = [], []
-        for seq, n in zip(seqs, chunk_lens):
-            end = seq.computed + n
-            while len(seq.table) * PAGE_SIZE < end:
-                seq.table.append(self.free.pop())
-            ids += seq.tokens[seq.computed : end]
-            positions += range(seq.computed, end)
-        meta = AttentionMetadata.build(
-            query_lens=list(chunk_lens),
-            seq_lens=[s.computed + n for s, n in zip(seqs, chunk_lens)],
-            page_tables=[s.table for s in seqs],
-            page_size=PAGE_SIZE,
-            device=CPU,
-        )
-        self.backend.plan(meta)
-        with torch.inference_mode():
-            hidden, captured = self.model(
-                torch.tensor(ids),
-                torch.tensor(positions),
-                meta,
-                self.caches,
-                self.backend,
-                capture_layers=capture,
-            )
-            logits = self.model.compute_logits(hidden)  # [T, V]
-        for seq, n in zip(seqs, chunk_lens):
-            seq.computed += n
-        return list(logits.split(chunk_lens)), captured
-
-    def greedy(self, prompts: list[list[int]], max_new: int, eos: int) -> list[list[int]]:
-        seqs = [Seq(list(p)) for p in prompts]
-        outs: list[list[int]] = [[] for _ in prompts]
-        live = list(range(len(seqs)))
-        chunk = [len(p) for p in prompts]
-        while live:
-            logits, _ = self.step([seqs[b] for b in live], chunk)
-            still = []
-            for b, rows in zip(live, logits):
-                token = int(rows[-1].argmax())
-                outs[b].append(token)
-                seqs[b].tokens.append(token)
-                if token != eos and len(outs[b]) < max_new:
-                    still.append(b)
-            live, chunk = still, [1] * len(still)
-        return outs
 
 
 @pytest.fixture

@@ -53,8 +53,10 @@ def test_an_ngram_drafter_maps_the_pool_for_the_channel_alone(target_model, tmp_
 
 @pytest.fixture
 def drafter(draft_lm, tmp_path):
+    # float32: the target's own copy drafts exactly its argmax only when it computes the target's numbers
     service = Service("draft_service.cli", ["--model", str(draft_lm), "--port", "0", "--shm-dir", str(tmp_path),
-                                            "--num-speculative-tokens", str(K)], tmp_path / "drafter.log")
+                                            "--num-speculative-tokens", str(K), "--dtype", "float32"],
+                      tmp_path / "drafter.log")
     service.wait_serving()
     yield service
     service.kill()

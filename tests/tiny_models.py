@@ -52,3 +52,45 @@ def make_reference_dflash(
         model.norm.weight.mul_(4.0)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def make_llama_family(out_dir: Path, model_type: str) -> Path:
+    """A tiny random LlamaForCausalLM (llama3 rope, biased attention, tied embeddings) or
+    Qwen2ForCausalLM (q/k/v bias), saved like make_qwen3."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = make_tokenizer(out_dir)
+    fields = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    if model_type == "llama":
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+        config = LlamaConfig(
+            **fields, head_dim=16, attention_bias=True, tie_word_embeddings=True, rope_parameters=rope
+        )
+        cls = LlamaForCausalLM
+    else:
+        config = Qwen2Config(**fields, tie_word_embeddings=False)
+        cls = Qwen2ForCausalLM
+    torch.manual_seed(1)
+    model = cls(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

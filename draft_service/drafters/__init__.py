@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention_backends import check_backend_name
+from common.compiled_forward import CompileConfig
 from common.dtypes import check_dtype_name, config_dtype, resolve_model_dtype
 from common.kv_layout import CacheConfig, check_cache_dtype
 from draft_service.drafters.base import (
@@ -44,6 +45,7 @@ class DrafterConfig:
     ngram_max: int = 4
     attention_backend: str = "auto"  # common.attention_backends.BACKEND_CHOICES
     shm_dir: str = "/dev/shm"  # the only folder a CPU pool file is mapped from (the target's --shm-dir)
+    compile: bool = True  # the draft model's steps through common/compiled_forward.py
 
     def __post_init__(self) -> None:
         if self.kind not in ("auto", *KINDS):
@@ -107,7 +109,8 @@ def load_drafter(config: DrafterConfig) -> Drafter:
         from draft_service.drafters.draft_model import DraftModelDrafter
 
         k = k or DEFAULT_NUM_SPECULATIVE_TOKENS
-        drafter = DraftModelDrafter.load(config.model, cache, dtype, config.device, k, config.attention_backend)
+        drafter = DraftModelDrafter.load(config.model, cache, dtype, config.device, k, config.attention_backend,
+                                         CompileConfig(enabled=config.compile))
     elif not config.target_model:
         raise ValueError("the DFlash drafter needs --target-model (it borrows the target's embedding and lm_head)")
     else:

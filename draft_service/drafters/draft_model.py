@@ -15,6 +15,7 @@ import logging
 import torch
 
 from common.attention_metadata import AttentionMetadata
+from common.compiled_forward import CompileConfig, CompiledForward
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
@@ -37,18 +38,20 @@ class DraftModelDrafter(PooledDrafter):
 
     def __init__(self, model: Qwen3ForCausalLM, cache_config: CacheConfig,
                  num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, model_id: str = "",
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", compile_config: CompileConfig = CompileConfig(enabled=False)) -> None:
         super().__init__(cache_config, model, num_speculative_tokens, attention_backend)
         self.model = model
+        self.compiled = CompiledForward(model, compile_config)  # its K single-token steps and catch-ups
         self.model_id = model_id
         self.vocab_size = model.vocab_size
 
     @classmethod
     def load(cls, path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str, k: int,
-             attention_backend: str = "auto") -> DraftModelDrafter:
+             attention_backend: str = "auto", compile_config: CompileConfig = CompileConfig()) -> DraftModelDrafter:
         model = Qwen3ForCausalLM.from_pretrained(path, dtype, device)
         pack_cpu_linears(model, log)
-        return cls(model, cache_config, k, model_id=str(path), attention_backend=attention_backend)
+        return cls(model, cache_config, k, model_id=str(path), attention_backend=attention_backend,
+                   compile_config=compile_config)
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -99,8 +102,10 @@ class DraftModelDrafter(PooledDrafter):
                              [seq.page_table for seq in seqs])
 
     def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
-        """A prefill of the scratch context, then one decode step after it."""
+        """A prefill of the scratch context, then one decode step after it; the compiled forward's
+        decode and warm-up buckets are compiled first (others compile in the background when needed)."""
         ctx = WARMUP_CONTEXT
+        self.compiled.prepare([1, ctx])
         self._forward([0] * ctx, list(range(ctx)), [ctx], [ctx], [page_table], kv_caches)
         self._forward([0], [ctx], [1], [ctx + 1], [page_table], kv_caches)
 
@@ -124,6 +129,6 @@ class DraftModelDrafter(PooledDrafter):
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         caches = self._kv_caches if kv_caches is None else kv_caches
-        hidden, _ = self.model(input_ids, pos, meta, caches, self._backend)  # [T, hidden]
+        hidden, _ = self.compiled(input_ids, pos, meta, caches, self._backend)  # [T, hidden]
         last_rows = meta.query_start_loc[1:].long() - 1  # [B]
         return self.model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()  # [B]

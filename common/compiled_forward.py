@@ -1,0 +1,355 @@
+"""The model's forward for the step shapes that repeat, compiled once per shape bucket.
+
+A decode or verify of a small batch on a small model is dispatch-bound: eagerly, every
+norm, product, RoPE half and residual is its own op call (about 15 per layer), and the
+step costs several times the arithmetic. Here the forward is cut at attention, as vLLM
+cuts it for piecewise CUDA graphs: everything between two attentions (residual add, norm,
+the o/gate-up/down/qkv products, q/k norms, RoPE) is one compiled *segment*, and the paged
+attention with its KV writes runs between segments exactly as it does eagerly
+(`backend.forward`), so no compiled code ever sees a page table or a sequence length.
+
+Three segment kinds cover a model: `first` (embedding, RoPE tables, layer 0 up to its
+attention), `middle` (the rest of layer i and layer i+1 up to its attention) and `last`
+(the rest of the last layer and the final norm). Each takes the weights it uses as
+arguments, so one compiled `middle` serves every layer of a bucket.
+
+Buckets are token counts T of the flat batch: every T up to `exact_tokens` as it is
+(decodes and verifies of small batches), then a few padded sizes up to `max_tokens`;
+larger steps (prefill chunks) run eagerly. `prepare` compiles buckets up front (the
+engine's warmup: decode and verify); any other bucket is compiled on a background thread
+the first time a step needs it, and steps of that size run eagerly until it is ready, so
+no step waits ~1-2 s for a compile (a `Propose` has a deadline). Padded rows run through
+the row-wise segments (their attention output is zero) and are cut off before anything
+reads them.
+
+Backends: Inductor compiles each segment for the device its tensors are on: C++/OpenMP
+kernels around oneDNN/MKL products on a CPU, Triton kernels on CUDA, where each compiled
+segment is also captured as a CUDA graph (Inductor's `triton.cudagraphs`), so a replay
+launches one graph per segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from common.attention_backends import AttentionBackend
+from common.attention_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+# torch.fx's tracer patches functions through one process-wide slot (`CURRENT_PATCHER`): two
+# traces at once (the target's and an in-process drafter's compile threads) corrupt it. The
+# lock is as process-wide as what it guards.
+_TRACE_LOCK = threading.Lock()
+
+PADDED_SIZES = (24, 32, 48, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Which step shapes run compiled."""
+
+    enabled: bool = True
+    exact_tokens: int = 16  # every token count up to this is its own bucket
+    max_tokens: int = 64  # the largest padded bucket; steps with more tokens run eagerly
+    background: bool = True  # a bucket first needed mid-serving compiles on a thread (eager meanwhile)
+
+    def __post_init__(self) -> None:
+        if self.exact_tokens < 1 or self.max_tokens < self.exact_tokens:
+            raise ValueError(f"compile buckets need 1 <= exact_tokens <= max_tokens, got {self.exact_tokens} and "
+                             f"{self.max_tokens}")
+
+    def bucket(self, tokens: int) -> int | None:
+        """The token count a step of `tokens` tokens runs compiled at, or None (eager)."""
+        if not self.enabled or tokens < 1 or tokens > self.max_tokens:
+            return None
+        if tokens <= self.exact_tokens:
+            return tokens
+        return next((size for size in (*PADDED_SIZES, self.max_tokens) if tokens <= size <= self.max_tokens),
+                    self.max_tokens)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors, in the order the segments take them (None: absent in this family)."""
+
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                   attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
+                   attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                   mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if t is not None]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The model's static facts the segments are written for."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+    @property
+    def qkv_sizes(self) -> tuple[int, int, int]:
+        kv = self.num_kv_heads * self.head_dim
+        return self.num_heads * self.head_dim, kv, kv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """common.qwen3.RMSNorm's values: torch's fused norm in float32, else in float32 and cast back."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """common.qwen3.apply_rope: x [T, H, D], cos/signed_sin [T, D]."""
+    tokens, heads, dim = x.shape
+    swapped = x.reshape(tokens, heads, 2, dim // 2).flip(2).reshape(tokens, heads, dim)
+    return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
+
+
+def attention_inputs(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+                     s: Shapes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, hidden] → q [T, Hq, D], k and v [T, Hkv, D], normed and rotated as the eager layer does."""
+    tokens = x.shape[0]
+    q, k, v = F.linear(rms_norm(x, w.input_norm, s.eps), w.qkv_weight, w.qkv_bias).split(s.qkv_sizes, dim=-1)
+    q = q.reshape(tokens, s.num_heads, s.head_dim)
+    k = k.reshape(tokens, s.num_kv_heads, s.head_dim)
+    v = v.reshape(tokens, s.num_kv_heads, s.head_dim)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, s.eps), rms_norm(k, w.k_norm, s.eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v.contiguous()
+
+
+def after_attention(x: torch.Tensor, attended: torch.Tensor, w: LayerWeights, s: Shapes) -> torch.Tensor:
+    """The rest of a layer: o projection and residual, then the MLP and its residual. [T, hidden]."""
+    x = x + F.linear(attended.reshape(x.shape[0], -1), w.o_weight, w.o_bias)
+    gate, up = F.linear(rms_norm(x, w.post_norm, s.eps), w.gate_up_weight, w.gate_up_bias).split(s.intermediate, -1)
+    return x + F.linear(F.silu(gate) * up, w.down_weight, w.down_bias)
+
+
+class Segments:
+    """The three segment functions of one model, over `Shapes` (closed over: static)."""
+
+    def __init__(self, shapes: Shapes, scaling: float) -> None:
+        self.shapes, self.scaling = shapes, scaling
+
+    def first(self, input_ids, positions, embed, inv_freq, w: LayerWeights):
+        """→ (hidden [T, hidden], cos [T, D], sin [T, D], q, k, v of layer 0)."""
+        x = F.embedding(input_ids, embed)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)
+        return (x, cos, sin, *attention_inputs(x, w, cos, sin, self.shapes))
+
+    def middle(self, x, attended, cos, sin, w: LayerWeights, w_next: LayerWeights):
+        """→ (hidden after this layer [T, hidden], q, k, v of the next)."""
+        x = after_attention(x, attended, w, self.shapes)
+        return (x, *attention_inputs(x, w_next, cos, sin, self.shapes))
+
+    def last(self, x, attended, w: LayerWeights, final_norm):
+        """→ the final-normed hidden states [T, hidden]."""
+        return rms_norm(after_attention(x, attended, w, self.shapes), final_norm, self.shapes.eps)
+
+
+@dataclass
+class CompileStats:
+    """What compiling has cost so far (seconds, per bucket), for the startup log and the tests."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)  # compiled steps run, by bucket
+    eager_steps: int = 0  # steps of no bucket, or of one still compiling
+    failed: dict[int, str] = field(default_factory=dict)  # buckets whose compile failed: eager for good
+
+
+class CompiledForward:
+    """`Qwen3ForCausalLM.forward`'s signature and values, compiled per token-count bucket.
+
+    Steps whose token count has no bucket (or every step, when disabled) call the model's
+    own forward. Each segment is traced to an aten graph (`make_fx`) and compiled by
+    Inductor directly, not through `torch.compile`'s frame hooks: a step calls seven
+    segments, and dynamo's guards on their two dozen weight arguments cost ~20 µs a call,
+    where the compiled graph's own wrapper costs ~5."""
+
+    def __init__(self, model, config: CompileConfig) -> None:
+        self.model, self.config = model, config
+        self.stats = CompileStats()
+        args = model.args
+        shapes = Shapes(args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size, args.rms_norm_eps)
+        self._segments = Segments(shapes, model.rotary.attention_scaling)
+        self._layers = [LayerWeights.of(layer) for layer in model.model.layers]
+        self._present = [name for name, t in vars(self._layers[0]).items() if t is not None]
+        self._flat = [[getattr(w, name) for name in self._present] for w in self._layers]
+        self._scale = model.model.layers[0].self_attn.scale
+        self._compiled: dict[int, tuple] = {}  # bucket → (first, middle, last)
+        self._pending: dict[int, Future] = {}  # buckets compiling in the background
+        self._executor: ThreadPoolExecutor | None = None
+
+    def prepare(self, token_counts: Sequence[int]) -> None:
+        """Compile the buckets of these step sizes now, in this thread, so that no step runs them eagerly."""
+        for bucket in sorted({self.config.bucket(t) for t in token_counts} - {None} - set(self._compiled)):
+            self._compile_or_give_up(bucket)
+
+    def wait_ready(self) -> None:
+        """Block until every background compile has ended (tests, benchmarks)."""
+        for future in list(self._pending.values()):
+            future.result()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _start_compiling(self, bucket: int, tokens: int) -> bool:
+        """Whether `bucket` can run compiled now: compiled in this thread (not `background`), or
+        not yet, with its compile started (or running, or failed before) on the background thread."""
+        if bucket in self.stats.failed:
+            return False
+        if not self.config.background:
+            return self._compile_or_give_up(bucket)
+        if bucket not in self._pending:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="splitspec-compile")
+            self._pending[bucket] = self._executor.submit(self._compile_or_give_up, bucket)
+        return False
+
+    def _compile_or_give_up(self, bucket: int) -> bool:
+        device = self.model.model.embed_tokens.weight.device
+        zeros = torch.zeros(bucket, dtype=torch.long, device=device)
+        try:
+            with torch.inference_mode():
+                self._compile(bucket, zeros, zeros.clone())
+            return True
+        except Exception as exc:  # noqa: BLE001  a bucket that cannot compile runs eagerly, as before
+            self.stats.failed[bucket] = f"{type(exc).__name__}: {exc}"
+            log.warning("compiled forward: bucket of %d tokens failed to compile, runs eagerly: %s", bucket,
+                        self.stats.failed[bucket])
+            return False
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        meta: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+        backend: AttentionBackend,
+        capture_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        tokens = input_ids.shape[0]
+        bucket = self.config.bucket(tokens)
+        if bucket is not None and bucket not in self._compiled and not self._start_compiling(bucket, tokens):
+            bucket = None
+        if bucket is None:
+            self.stats.eager_steps += 1
+            return self.model(input_ids, positions, meta, kv_caches, backend, capture_layers)
+        if tokens != meta.num_tokens or positions.shape[0] != tokens:
+            raise ValueError(f"forward: {tokens} ids and {positions.shape[0]} positions for {meta.num_tokens} tokens "
+                             "in the attention metadata")
+        wanted = set(capture_layers)
+        if any(not 0 <= i < len(self._layers) for i in wanted):
+            raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{len(self._layers) - 1}")
+        if bucket != tokens:  # pad rows: token 0 at position 0, cut off before anything reads them
+            input_ids = F.pad(input_ids, (0, bucket - tokens))
+            positions = F.pad(positions, (0, bucket - tokens))
+        first, middle, last = self._compiled[bucket]
+        self.stats.steps[bucket] = self.stats.steps.get(bucket, 0) + 1
+        return self._run(first, middle, last, tokens, input_ids, positions, kv_caches, backend, wanted)
+
+    def _run(self, first, middle, last, tokens, input_ids, positions, kv_caches, backend, wanted):
+        model, flat = self.model.model, self._flat
+        x, cos, sin, q, k, v = first(input_ids, positions, model.embed_tokens.weight, self.model.rotary.inv_freq,
+                                     *flat[0])
+        captured: dict[int, torch.Tensor] = {}
+        specs = self.model.kv_layer_specs()
+        count = len(flat)
+        for i in range(count):
+            attended = self._attend(q, k, v, tokens, kv_caches[i], backend, specs[i])  # [bucket, Hq, D]
+            if i + 1 < count:
+                x, q, k, v = middle(x, attended, cos, sin, *flat[i], *flat[i + 1])
+                if i in wanted:
+                    captured[i] = x[:tokens]
+        (hidden,) = last(x, attended, *flat[-1], model.norm.weight)
+        hidden = hidden[:tokens]
+        if count - 1 in wanted:
+            captured[count - 1] = hidden
+        return hidden, captured
+
+    def _weights(self, tensors: Sequence[torch.Tensor]) -> LayerWeights:
+        given = dict(zip(self._present, tensors, strict=True))
+        return LayerWeights(**{name: given.get(name) for name in vars(self._layers[0])})
+
+    def _compile(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """Trace and compile the three segments for `bucket` rows, on example inputs of that shape."""
+        started = time.perf_counter()
+        n, segments, weights = len(self._present), self._segments, self._weights
+        model = self.model.model
+        hidden = model.embed_tokens.weight.new_zeros(bucket, self.model.args.hidden_size)
+        attended = hidden.new_zeros(bucket, self.model.args.num_heads, self.model.args.head_dim)
+        cos, sin = (hidden.new_zeros(bucket, self.model.args.head_dim) for _ in range(2))  # distinct: the compiler
+        # treats one tensor passed twice as one input, and the graph would read cos for sin
+
+        def first(ids, pos, embed, inv_freq, *w):
+            return segments.first(ids, pos, embed, inv_freq, weights(w))
+
+        def middle(x, att, c, s, *w):
+            return segments.middle(x, att, c, s, weights(w[:n]), weights(w[n:]))
+
+        def last(x, att, *w):
+            return (segments.last(x, att, weights(w[:n]), w[n]),)
+
+        compiled = (
+            _compile_graph(first, [input_ids, positions, model.embed_tokens.weight, self.model.rotary.inv_freq,
+                                   *self._flat[0]]),
+            _compile_graph(middle, [hidden, attended, cos, sin, *self._flat[0], *self._flat[1]])
+            if len(self._flat) > 1 else None,
+            _compile_graph(last, [hidden, attended, *self._flat[-1], model.norm.weight]))
+        self._compiled[bucket] = compiled
+        self.stats.seconds[bucket] = time.perf_counter() - started
+        log.info("compiled forward: bucket of %d tokens ready in %.1f s", bucket, self.stats.seconds[bucket])
+        return compiled
+
+    def _attend(self, q, k, v, tokens: int, kv_cache, backend: AttentionBackend, spec) -> torch.Tensor:
+        """The paged attention of the real rows (writing their K/V), zeros for the padding."""
+        out = backend.forward(q[:tokens], k[:tokens], v[:tokens], kv_cache, spec, self._scale)
+        if out.shape[0] == q.shape[0]:
+            return out.contiguous()  # the graphs were compiled for contiguous inputs; a backend may return a view
+        return torch.cat([out, out.new_zeros(q.shape[0] - tokens, *out.shape[1:])])
+
+
+def _compile_graph(fn, example: list[torch.Tensor]):
+    """`fn(*tensors)`, traced to aten ops on `example` and compiled by Inductor for those shapes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with _TRACE_LOCK, torch.no_grad():
+        graph = make_fx(fn)(*example)
+        options = {"triton.cudagraphs": True} if example[0].device.type == "cuda" else {}
+        return torch._inductor.compile(graph, example, options=options)
