@@ -25,7 +25,7 @@ def test_compare_runs_every_row(tmp_path, capsys):
     out = capsys.readouterr().out
     for row in range(1, 9):
         assert f"\n| {row} | " in out
-    assert "row 7 / row 8 step time" in out and "Targets (issue 13):" in out
+    assert "row 7 / row 8 step time" in out and "Targets:" in out
     assert "verify step / row 4 decode step" in out and "row 4 / row 1 tokens/s at concurrency 1" in out
     # rows 7 and 8 break the split's cost down from both processes' Propose histograms
     assert "| in drafter ms |" in out and "the split adds" in out
