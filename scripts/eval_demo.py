@@ -38,15 +38,58 @@ import demo_training  # noqa: E402  (the held-out list and the corpus rules)
 DRAFTERS = ("dflash", "draft_model", "ngram")
 
 
-@torch.no_grad()
-def perplexity(target_dir: Path, files: list[Path], threads: int) -> tuple[float, int]:
+CODE_PROMPTS = ("def fibonacci(n):", "def factorial(n):", "def is_prime(n):")
+
+
+def load_target(target_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return (AutoTokenizer.from_pretrained(target_dir),
+            AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval())
+
+
+@torch.no_grad()
+def perplexities(tokenizer, model, files: list[Path], windows: list[int]) -> dict[int, tuple[float, int]]:
+    """{window: (perplexity, tokens scored)} over non-overlapping windows of each length (≤ the model's context)."""
     documents = [tokenizer(demo_training.read_text(path)).input_ids + [tokenizer.eos_token_id] for path in files]
-    return demo_training.perplexity(model, documents, model.config.max_position_embeddings)
+    context = model.config.max_position_embeddings
+    return {w: demo_training.perplexity(model, documents, w) for w in windows if w <= context}
+
+
+def first_function(text: str) -> str:
+    """The first top-level `def` of `text` and its indented body, up to the next top-level line."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("def ")), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].strip() and not lines[i][0].isspace()),
+               len(lines))
+    return "\n".join(lines[start:end]) + "\n"
+
+
+def returns_a_value(source: str) -> bool:
+    """Whether `source` parses as one function whose body has a `return <value>`."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+    return len(functions) == 1 and any(isinstance(node, ast.Return) and node.value is not None
+                                       for node in ast.walk(functions[0]))
+
+
+@torch.no_grad()
+def code_completions(tokenizer, model, prompts: tuple[str, ...], max_tokens: int) -> list[tuple[str, str, bool]]:
+    """(prompt, greedy completion, whether prompt + completion holds a function returning a value)."""
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt).input_ids])
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        completion = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        results.append((prompt, completion, returns_a_value(first_function(prompt + completion))))
+    return results
 
 
 def held_out_prompts(tokenizer, files: list[Path], per_module: int, prompt_tokens: int) -> list[str]:
@@ -161,18 +204,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--windows", default="512,2048",
+                        help="perplexity windows, in tokens (those past the model's context are skipped)")
+    parser.add_argument("--code-tokens", type=int, default=64, help="new tokens of each code prompt")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
+    torch.set_num_threads(args.threads)
     files = demo_training.held_out_files()
-    ppl, n_tokens = perplexity(args.models / "target", files, args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.models / "target")
+    tokenizer, model = load_target(args.models / "target")
+    ppl = perplexities(tokenizer, model, files, [int(w) for w in args.windows.split(",")])
+    code = code_completions(tokenizer, model, CODE_PROMPTS, args.code_tokens)
+    del model
     prompts = held_out_prompts(tokenizer, files, args.prompts_per_module, args.prompt_tokens)
     rows = [measure(args.models, kind, prompts, args.max_tokens, args.k, args.concurrency)
             for kind in args.drafters.split(",") if kind]
-    print(f"Held-out modules: {', '.join(p.name for p in files)} ({n_tokens} tokens)\n")
-    print(f"Target perplexity on the held-out modules: **{ppl:.2f}**\n")
+    print(f"Held-out modules: {', '.join(p.name for p in files)}\n")
+    for window, (value, n_tokens) in ppl.items():
+        print(f"Target perplexity on the held-out modules, {window}-token windows: **{value:.2f}** ({n_tokens} tokens)")
+    print(f"\nGreedy completions ({args.code_tokens} new tokens), a function returning a value:\n")
+    for prompt, completion, ok in code:
+        print(f"- `{prompt}` {'yes' if ok else 'NO'}: {completion[:120]!r}")
+    print()
     print(f"{len(prompts)} greedy prompts, {args.max_tokens} new tokens each, concurrency {args.concurrency}:\n")
     print(table(rows, args.k))
     return 0

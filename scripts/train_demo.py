@@ -429,17 +429,32 @@ def dir_megabytes(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
+def record_session(work: WorkDir, threads: int) -> list[dict]:
+    """Append this session (when, on which CPU, with how many threads) to the work folder's list."""
+    from common.cpu_info import read_cpu_info
+
+    path = work.file("sessions.json")
+    sessions = json.loads(path.read_text()) if path.is_file() else []
+    sessions.append({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": read_cpu_info().describe(),
+                     "threads": threads, "torch": torch.__version__})
+    atomic_write_json(sessions, path)
+    return sessions
+
+
 def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: CheckpointPolicy = CheckpointPolicy(),
         pause: PausePoint | None = None, restart: bool = False, keep_work: bool = False,
-        compile_steps: bool = False, target_from: Path | None = None) -> dict:
-    """Train everything, or (`target_from`: an earlier run's output) the drafters for its target."""
+        compile_steps: bool = False, target_from: Path | None = None, scaling_probe: Path | None = None) -> dict:
+    """Train everything, or (`target_from`: an earlier run's output) the drafters for its target.
+    `scaling_probe`: scripts/scaling_probe.py's report that chose the sizes, kept in training.json."""
     torch.set_num_threads(sizes.threads)
     pretrained = PretrainedTarget.open(target_from, sizes) if target_from is not None else None
+    probe = json.loads(scaling_probe.read_text()) if scaling_probe is not None else None
     sources, held = load_corpus(sizes.corpus, sizes.max_files)
     for source in sources:
         log(f"corpus: {source.name}: {len(source.files)} files, {source.megabytes:.2f} MB")
     work = WorkDir(work_dir or out.with_name(out.name + ".partial"), run_identity(sizes, sources, pretrained),
                    restart)
+    sessions = record_session(work, sizes.threads)
     if compile_steps:  # compiled kernels live (across sessions) and go with the work folder
         keep_temp_files_in(work.file("tmp"))
     ctx = Context(sizes, work, policy, StepOptions(precision=sizes.precision, compile=compile_steps), pause,
@@ -487,7 +502,10 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
         "loss_curves": {"target": target_record["target_loss_curve"]} | {name: r.curve("loss")
                                                                           for name, r in loops.items()},
         "total_seconds": round(sum(stage_seconds.values()), 1),  # training time kept, over all sessions
+        "sessions": sessions,  # each start or resume of the command: when, on which CPU
     }
+    if probe is not None:
+        history["scaling_probe"] = probe
 
     def write_outputs(folder: Path) -> None:
         shutil.copytree(work.file("tokenizer"), folder / "tokenizer")
@@ -532,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-from", type=Path, default=None, metavar="DIR",
                         help="train only the drafters (continuations, DFlash, draft model) for the tokenizer and "
                              "target of an earlier run's output DIR, such as demo/; they are copied to --out as they are")
+    parser.add_argument("--scaling-probe", type=Path, default=None, metavar="JSON",
+                        help="scripts/scaling_probe.py's report behind the sizes, kept in training.json")
     parser.add_argument("--pause-after", type=PausePoint.parse, default=None, help=argparse.SUPPRESS)  # tests
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -544,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     policy = CheckpointPolicy(every_seconds=args.checkpoint_minutes * 60, every_steps=args.checkpoint_steps)
     try:
         run(sizes, args.out, args.work, policy, args.pause_after, args.restart, args.keep_work,
-            compile_steps=not args.smoke if args.compile is None else args.compile, target_from=args.target_from)
+            compile_steps=not args.smoke if args.compile is None else args.compile, target_from=args.target_from,
+            scaling_probe=args.scaling_probe)
     except ResumeRefused as refused:
         print(f"train_demo.py: {refused}", file=sys.stderr)
         return 2
