@@ -108,24 +108,27 @@ class Sizes:
                 raise ValueError(f"{heads} attention heads do not share {kv_heads} key/value heads evenly")
 
 
-# The recipe (bench/train_steps.py's figures, 2 idle cores): ~3 h, in sessions of any length (resumable).
-# target 10.4M params (20.9 MB in bf16): 3,000 steps x 8 x 512 = 12M tokens, 20% of them from the
-# stdlib, ~40 min at ~5,200 tokens/s compiled (held-out perplexity 18.9 at the end of the demo/ run,
-# against 71.7 for the first recipe's target: more steps bought little next to the drafters' time);
-# 30,720 greedy continuations ~58 min; DFlash 16,000 steps ~28 min; draft model ~19 min (the drafters
-# alone, `--target-from demo`: ~1.8 h).
-# All demo files ≈ 29.4 MB.
+# The recipe, from scripts/scaling_probe.py (its report: docs/scaling_probe.json). At the probe's
+# compute (~1.6e14 FLOPs) the smallest shape tried won (256x6, 5.5M multiplied weights: held-out
+# perplexity 73 against 107 for 384x6, and 512x6 worse still), so the compute-optimal size there is
+# at most ~5.5M; it grows as C^0.5 (Hoffmann et al. 2022), and this run spends ~28 times the probe's
+# compute, which bounds its optimum by ~29M. The size budget of what travels to a GPU machine (64 MiB,
+# tests/gpu/prepare.sh) caps the target near 10M in bf16, so the target keeps its 384x6 shape (10.4M
+# parameters, 20.9 MB) and the compute goes to tokens: 7,500 steps x 4 x 2,048 = 61M tokens, about
+# one pass over the corpus (5x the previous target's), in 2,048-token windows so that the target
+# serves 2,048-token contexts. The draft model's distillation steps grow with its data (3 passes
+# over the 30,720 continuations); its pretraining keeps 4,096 tokens a step (2 windows of 2,048).
+# bench/train_steps.py's figures on 2 idle cores (Intel Xeon with AMX): target ~4,600 tokens/s at
+# 2,048 (~3.7 h); the continuations, DFlash and the draft model ~3 h more. Resumable.
 FULL = Sizes(
-    vocab_size=4096, hidden=384, layers=6, intermediate=896, heads=6, kv_heads=3, head_dim=64, context=512,
-    target_steps=3_000, target_batch=8, target_lr=2e-3,
-    # 30,720 continuations: with 10,240 DFlash accepted 5.4 per block on them and 3.5 held out (12 epochs: memorised);
-    # the same steps now see each about 4 times
+    vocab_size=4096, hidden=384, layers=6, intermediate=896, heads=6, kv_heads=3, head_dim=64, context=2048,
+    target_steps=7_500, target_batch=4, target_lr=2e-3,
     gen_prompt_lens=(8, 16, 32, 48, 64, 96, 128, 160), gen_prompts_per_len=3840, gen_total_len=288, gen_batch=192,
     dflash_layers=2, dflash_intermediate=448, dflash_heads=6, dflash_kv_heads=3, target_layer_ids=(1, 3, 5),
     block_size=9, dflash_steps=16_000, dflash_batch=8, dflash_anchors=16, dflash_lr=1.5e-3,
     draft_hidden=192, draft_layers=2, draft_intermediate=448, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
-    draft_pretrain_steps=4000, draft_distill_steps=3000, draft_batch=8, draft_distill_batch=16, draft_lr=2e-3,
-    corpus="stdlib+packages", stdlib_share=PACKAGES_STDLIB_SHARE, heldout_evals=8,
+    draft_pretrain_steps=4000, draft_distill_steps=6000, draft_batch=2, draft_distill_batch=16, draft_lr=2e-3,
+    corpus="stdlib+packages", stdlib_share=PACKAGES_STDLIB_SHARE, heldout_evals=10,
 )
 SMOKE = Sizes(
     vocab_size=320, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16, context=128,

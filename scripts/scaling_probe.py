@@ -32,6 +32,10 @@ from train_demo import Context, run_identity, target_stage, tokenizer_stage
 from common.cpu_info import read_cpu_info
 
 HEAD_DIM = 64
+# What every probe run shares with the full recipe (corpus, optimizer, schedule) and the window and
+# batch it trains with; fixed here, so that the full recipe can change without changing the probe.
+PROBE_BASE = dataclasses.replace(FULL, context=512, target_batch=8, target_steps=3000, heldout_evals=8,
+                                 draft_distill_steps=3000, draft_batch=8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,20 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     keep_temp_files_in(args.work / "tmp")
 
-    sources, _ = load_corpus(FULL.corpus)
-    shared = WorkDir(args.work / "streams", run_identity(FULL, sources))
+    sources, _ = load_corpus(PROBE_BASE.corpus)
+    shared = WorkDir(args.work / "streams", run_identity(PROBE_BASE, sources))
     if not shared.file("tokenizer").is_dir():
         shutil.copytree(args.tokenizer, shared.file("tokenizer"))
     policy = CheckpointPolicy()
-    tokenizer, streams = tokenizer_stage(Context(FULL, shared, policy, StepOptions()), sources)
-    tokens_per_step = FULL.target_batch * FULL.context
-    budget = train_flops_per_token(Shape(384, 6, 896).sizes(FULL, 1)) * args.tokens
+    tokenizer, streams = tokenizer_stage(Context(PROBE_BASE, shared, policy, StepOptions()), sources)
+    tokens_per_step = PROBE_BASE.target_batch * PROBE_BASE.context
+    budget = train_flops_per_token(Shape(384, 6, 896).sizes(PROBE_BASE, 1)) * args.tokens
 
     rows = []
     for shape in shapes:
-        per_token = train_flops_per_token(shape.sizes(FULL, 1))
+        per_token = train_flops_per_token(shape.sizes(PROBE_BASE, 1))
         steps = max(1, round(budget / per_token / tokens_per_step))
-        sizes = shape.sizes(FULL, steps)
+        sizes = shape.sizes(PROBE_BASE, steps)
         work = WorkDir(args.work / shape.name.replace(":", "-"), run_identity(sizes, sources))
         ctx = Context(sizes, work, policy, StepOptions(precision=sizes.precision, compile=True))
         log(f"probe {shape.name}: {steps} steps of {tokens_per_step} tokens")
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"probe {shape.name}: held-out perplexity {rows[-1]['heldout_perplexity']}")
 
     report = {"cpu": read_cpu_info().describe(), "torch": torch.__version__, "seed": SEED, "budget_flops": budget,
-              "tokens_per_step": tokens_per_step, "context": FULL.context, "runs": rows}
+              "tokens_per_step": tokens_per_step, "context": PROBE_BASE.context, "runs": rows}
     path = args.report or args.work / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'shape':<14}{'params':>10}{'MB bf16':>9}{'tokens':>11}{'seconds':>9}{'held-out ppl':>14}")

@@ -1,6 +1,6 @@
 """Train the bundled demo models: a tokenizer, a Qwen3 target and two drafters for it.
 
-    .venv/bin/python scripts/train_demo.py              # full run → demo/ (~3 h on 2 idle CPU cores)
+    .venv/bin/python scripts/train_demo.py --scaling-probe docs/scaling_probe.json   # full run → demo/ (~7 h on 2 idle cores)
     .venv/bin/python scripts/train_demo.py --target-from demo --out demo-new   # the drafters only (~1.8 h)
     .venv/bin/python scripts/train_demo.py --smoke --out /tmp/demo-smoke   # tiny sizes, seconds (CI)
 
