@@ -109,9 +109,8 @@ class Sizes:
 
 
 # The recipe, from scripts/scaling_probe.py (its report: docs/scaling_probe.json). At the probe's
-# compute (~1.6e14 FLOPs) the smallest shape tried won (256x6, 5.5M multiplied weights: held-out
-# perplexity 73 against 107 for 384x6, and 512x6 worse still), so the compute-optimal size there is
-# at most ~5.5M; it grows as C^0.5 (Hoffmann et al. 2022), and this run spends ~28 times the probe's
+# compute (~1.6e14 FLOPs) the smaller shape won (256x6, 5.5M multiplied weights: held-out
+# perplexity 73 against 107 for 384x6, 10.4M), so the compute-optimal size there is at most ~5.5M; it grows as C^0.5 (Hoffmann et al. 2022), and this run spends ~28 times the probe's
 # compute, which bounds its optimum by ~29M. The size budget of what travels to a GPU machine (64 MiB,
 # tests/gpu/prepare.sh) caps the target near 10M in bf16, so the target keeps its 384x6 shape (10.4M
 # parameters, 20.9 MB) and the compute goes to tokens: 7,500 steps x 4 x 2,048 = 61M tokens, about

@@ -7,6 +7,7 @@ the best shape is the compute-optimal size for that budget; the full recipe's si
 it and from how the optimum grows with compute (N_opt ∝ C^0.5, Hoffmann et al. 2022).
 
     .venv/bin/python scripts/scaling_probe.py                      # the three default shapes
+    .venv/bin/python scripts/scaling_probe.py --shape 256x6:704 --shape 384x6:896 --report docs/scaling_probe.json
     .venv/bin/python scripts/scaling_probe.py --shape 320x8:960 --tokens 2e6
 
 Every run is resumable like train_demo.py's (rerun the same command); the report is written
