@@ -6,7 +6,7 @@ the K drafts is accepted *and* the drafter's guess for the next position equals 
 token the target emits there (the bonus token); then the next step needs no `Propose`
 wait. So the saving is at most
 
-    P(all K accepted and the bonus guessed) x (Propose time / step time)
+    P(all K accepted and the bonus guessed) x (time in Propose / decode time)
 
 of the decode time, and it is zero for DFlash, whose drafts for block n+1 are computed
 from the target's hidden states of block n, which exist only after that verify.
@@ -67,7 +67,7 @@ def measure(models: Path, kind: str, prompts: list[list[int]], new_tokens: int, 
     step_ms = 1e3 * seconds / steps
     return {"tokens": tokens, "drafted steps": num_drafts, "accepted per drafted step": accepted / max(1, drafts),
             "all K accepted": all_fraction, "propose ms": propose_ms, "step ms": step_ms,
-            "bound": all_fraction * propose_ms / step_ms}
+            "bound": all_fraction * propose_s / seconds}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,7 @@ def engine(target_model: Path, drafter: Service, shm_dir: Path, transport: str =
                           max_num_batched_tokens=128)
     core = build_engine_core(config)
     assert core.link.ready, core.link.detail
+    core.warmup()  # as a server does before serving: the decode and verify steps are compiled
     return core
 
 
