@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.compiled_forward import CompileConfig  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
 from common.kv_layout import CacheConfig  # noqa: E402
 from draft_service.drafters import DrafterConfig  # noqa: E402
@@ -192,7 +193,8 @@ def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, conc
 
 
 class DrafterProcess:
-    def __init__(self, kind: str, models: Path, token: str, log: Path, shm_dir: str) -> None:
+    def __init__(self, kind: str, models: Path, token: str, log: Path, shm_dir: str,
+                 compile_steps: bool = False) -> None:
         port, metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -200,7 +202,7 @@ class DrafterProcess:
                  "dflash": ["--model", str(models / "dflash")]}[kind]
         cmd = [sys.executable, "-m", "draft_service.cli", "--kind", kind, *model, "--target-model",
                str(models / "target"), "--port", str(port), "--metrics-port", str(metrics_port),
-               "--shm-dir", shm_dir, "--log-level", "warning"]
+               "--shm-dir", shm_dir, "--log-level", "warning", "--compile" if compile_steps else "--no-compile"]
         env = {**os.environ, "SPLITSPEC_INTERNAL_TOKEN": token}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -210,18 +212,19 @@ class DrafterProcess:
 
 
 def engine_config(models: Path, shm_dir: str, k: int, drafter: str | None = None, token: str | None = None,
-                  policy: str = "adaptive"):
+                  policy: str = "adaptive", compile_steps: bool = False):
     return EngineConfig(model=str(models / "target"), cache=CacheConfig(shm_dir=shm_dir), max_num_seqs=16,
                         drafter=drafter, internal_token=token, num_speculative_tokens=k,
-                        drafter_timeout_s=60.0, drafter_startup_wait_s=300.0, speculative_policy=policy)
+                        drafter_timeout_s=60.0, drafter_startup_wait_s=300.0, speculative_policy=policy,
+                        compile=CompileConfig(enabled=compile_steps))
 
 
 def in_process_engine(models: Path, shm_dir: str, k: int, kind: str = "dflash", policy: str = "adaptive",
-                      dtype: str | None = None) -> EngineCore:
+                      dtype: str | None = None, compile_steps: bool = False) -> EngineCore:
     """The demo target with the demo drafter of `kind` called in this process (no second one)."""
     drafter = LocalDrafterStub(DrafterConfig(kind=kind, model=str(models / kind), target_model=str(models / "target"),
-                                             shm_dir=shm_dir))
-    config = engine_config(models, shm_dir, k, "in-process", "unused", policy)
+                                             shm_dir=shm_dir, compile=compile_steps))
+    config = engine_config(models, shm_dir, k, "in-process", "unused", policy, compile_steps)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     return build_engine_core(config, drafter_stub=drafter)
@@ -319,24 +322,24 @@ def _chosen_note(mean_k: float | None, zero_share: float | None, probe_share: fl
 
 
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
-                   repeat: int, tmp: str, policy: str = "adaptive") -> list[Result]:
+                   repeat: int, tmp: str, policy: str = "adaptive", compile_steps: bool = False) -> list[Result]:
     """Rows 4-8, every engine (and drafter process) up at once and measured in turns."""
     token = secrets.token_hex(16)
     rows: list[EngineRow] = []
     drafters: list[DrafterProcess] = []
     try:
-        core = build_engine_core(engine_config(models, tmp, k))
+        core = build_engine_core(engine_config(models, tmp, k, compile_steps=compile_steps))
         core.warmup()
         rows.append(EngineRow(4, "splitspec, target only", core))
         for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
-            drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp)
+            drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp, compile_steps)
             drafters.append(drafter)
-            core = build_engine_core(engine_config(models, tmp, k, drafter.address, token, policy))
+            core = build_engine_core(engine_config(models, tmp, k, drafter.address, token, policy, compile_steps))
             rows.append(EngineRow(row, f"splitspec + {kind} (2 processes)", core, drafter.metrics_url))
             if not core.link.ready:
                 raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
             core.warmup()
-        core = in_process_engine(models, tmp, k, "dflash", policy)
+        core = in_process_engine(models, tmp, k, "dflash", policy, compile_steps=compile_steps)
         core.warmup()
         rows.append(EngineRow(8, "splitspec + dflash (1 process)", core))
         results = []
@@ -384,7 +387,8 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     lines = [
         f"Measured {date.today()} on {read_cpu_info().describe()}, torch {torch.__version__}, "
         f"{'--threads ' + str(args.threads) + ' (not the default)' if args.threads else 'default threads'} "
-        f"({torch.get_num_threads()} torch threads in the engines); "
+        f"({torch.get_num_threads()} torch threads in the engines), "
+        f"{'compiled forward (--compile)' if args.compile else 'eager forward'}; "
         f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k} "
         f"({args.speculative_policy} policy); "
         f"each row the median of {args.repeat} runs, the rows taking turns.",
@@ -485,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,8,16")
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the table shows the median")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--compile", action="store_true",
+                        help="rows 4-8 with the compiled forward (every bucket compiled at warmup)")
     parser.add_argument("--write-readme", action="store_true", help="replace the table in README.md")
     args = parser.parse_args(argv)
     if args.repeat < 1:
@@ -496,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = reference_rows(args.models, prompts, args.new_tokens, levels, args.repeat, tokenizer)
         results += splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, args.repeat, tmp,
-                                  args.speculative_policy)
+                                  args.speculative_policy, args.compile)
     text = table(results, args)
     print(text)
     if args.write_readme:

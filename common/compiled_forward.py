@@ -16,9 +16,11 @@ arguments, so one compiled `middle` serves every layer of a bucket.
 Buckets are token counts T of the flat batch: every T up to `exact_tokens` as it is
 (decodes and verifies of small batches), then a few padded sizes up to `max_tokens`;
 larger steps (prefill chunks) run eagerly. `prepare` compiles buckets up front (the
-engine's warmup: decode and verify); any other bucket is compiled on a background thread
-the first time a step needs it, and steps of that size run eagerly until it is ready, so
-no step waits ~1-2 s for a compile (a `Propose` has a deadline). Padded rows run through
+engine's and the draft model's warmup: every bucket); a bucket not prepared is compiled on
+a background thread the first time a step needs it, and steps of that size run eagerly until
+it is ready, so no step waits ~1-2 s for a compile (a `Propose` has a deadline). Compiling
+lazily is not the default path: a compile thread shares the cores and the GIL with serving,
+and with many engines in one process (bench/compare.py) it slowed every row for minutes. Padded rows run through
 the row-wise segments (their attention output is zero) and are cut off before anything
 reads them.
 
@@ -57,7 +59,7 @@ PADDED_SIZES = (24, 32, 48, 64, 96, 128)
 class CompileConfig:
     """Which step shapes run compiled."""
 
-    enabled: bool = True
+    enabled: bool = False  # opt-in (`--compile`): startup compiles every bucket (~1 s each, see below)
     exact_tokens: int = 16  # every token count up to this is its own bucket
     max_tokens: int = 64  # the largest padded bucket; steps with more tokens run eagerly
     background: bool = True  # a bucket first needed mid-serving compiles on a thread (eager meanwhile)
@@ -214,6 +216,10 @@ class CompiledForward:
         self._compiled: dict[int, tuple] = {}  # bucket → (first, middle, last)
         self._pending: dict[int, Future] = {}  # buckets compiling in the background
         self._executor: ThreadPoolExecutor | None = None
+
+    def buckets(self) -> list[int]:
+        """Every bucket of the config, smallest first (none when disabled)."""
+        return sorted({self.config.bucket(t) for t in range(1, self.config.max_tokens + 1)} - {None})
 
     def prepare(self, token_counts: Sequence[int]) -> None:
         """Compile the buckets of these step sizes now, in this thread, so that no step runs them eagerly."""

@@ -8,6 +8,7 @@ it from the event loop; `build_engine_core` (engine.py) assembles it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from target_service.sampling import SamplingSpec, make_generator
 from target_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
 from target_service.speculation import Speculator
+
+log = logging.getLogger(__name__)
 
 WARMUP_REQUEST_ID = "__warmup__"
 
@@ -262,9 +265,13 @@ class EngineCore:
     # --- life ----------------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """One prefill and a few decodes through every code path, then free everything; the
-        compiled forward's decode and one-sequence verify buckets are compiled first."""
-        self.runner.forward.prepare([1, self.config.num_speculative_tokens + 1] if self.speculator is not None else [1])
+        """One prefill and a few decodes through every code path, then free everything; every bucket
+        of the compiled forward (when on) is compiled first."""
+        started = time.perf_counter()
+        self.runner.forward.prepare(self.runner.forward.buckets())
+        if self.runner.forward.stats.seconds:
+            log.info("compiled forward: %d buckets in %.1f s", len(self.runner.forward.stats.seconds),
+                     time.perf_counter() - started)
         n = min(32, self.config.max_num_batched_tokens, self.model_info.max_model_len - 4)
         request = EngineRequest(WARMUP_REQUEST_ID, tuple([0] * max(1, n)), stop=StopParams(max_tokens=3, ignore_eos=True))
         served, self.metrics = self.metrics, TargetMetrics()  # warmup traffic is not served traffic

@@ -18,7 +18,7 @@ from tests.tiny_models import make_llama_family, make_qwen3
 
 LOGIT_ATOL = 1e-4
 # small, so that each kind of bucket is reached; compiled at first use, in the step's thread
-CONFIG = CompileConfig(exact_tokens=8, max_tokens=24, background=False)
+CONFIG = CompileConfig(enabled=True, exact_tokens=8, max_tokens=24, background=False)
 
 
 class Compiled:
@@ -46,10 +46,11 @@ def steps():
 
 
 def test_bucket_policy():
-    config = CompileConfig(exact_tokens=16, max_tokens=64)
+    config = CompileConfig(enabled=True, exact_tokens=16, max_tokens=64)
     assert [config.bucket(t) for t in (1, 9, 16, 17, 24, 25, 33, 64, 65)] == [1, 9, 16, 24, 24, 32, 48, 64, None]
     assert CompileConfig(enabled=False).bucket(1) is None
-    assert CompileConfig(exact_tokens=4, max_tokens=40).bucket(33) == 40  # the last bucket is max_tokens itself
+    assert CompileConfig().bucket(1) is None  # off unless asked for
+    assert CompileConfig(enabled=True, exact_tokens=4, max_tokens=40).bucket(33) == 40  # the last bucket is max_tokens itself
     with pytest.raises(ValueError, match="exact_tokens"):
         CompileConfig(exact_tokens=32, max_tokens=16)
 
@@ -97,7 +98,7 @@ def test_a_bucket_first_needed_mid_serving_compiles_in_the_background(model, shm
     """The step that first needs a bucket runs eagerly (no step waits for a compile); once the
     background compile is done, steps of that size run compiled, with the same values."""
     runner = PagedRunner(model, shm_dir)
-    compiled = Compiled(model, CompileConfig(exact_tokens=8, max_tokens=24))
+    compiled = Compiled(model, CompileConfig(enabled=True, exact_tokens=8, max_tokens=24))
     runner.model = compiled
     try:
         seqs = [Seq(list(range(3, 40)))]

@@ -45,7 +45,7 @@ class DrafterConfig:
     ngram_max: int = 4
     attention_backend: str = "auto"  # common.attention_backends.BACKEND_CHOICES
     shm_dir: str = "/dev/shm"  # the only folder a CPU pool file is mapped from (the target's --shm-dir)
-    compile: bool = True  # the draft model's steps through common/compiled_forward.py
+    compile: bool = False  # the draft model's steps through common/compiled_forward.py
 
     def __post_init__(self) -> None:
         if self.kind not in ("auto", *KINDS):

@@ -102,10 +102,10 @@ class DraftModelDrafter(PooledDrafter):
                              [seq.page_table for seq in seqs])
 
     def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
-        """A prefill of the scratch context, then one decode step after it; the compiled forward's
-        decode and warm-up buckets are compiled first (others compile in the background when needed)."""
+        """A prefill of the scratch context, then one decode step after it; every bucket of the
+        compiled forward (when on) is compiled first."""
         ctx = WARMUP_CONTEXT
-        self.compiled.prepare([1, ctx])
+        self.compiled.prepare(self.compiled.buckets())
         self._forward([0] * ctx, list(range(ctx)), [ctx], [ctx], [page_table], kv_caches)
         self._forward([0], [ctx], [1], [ctx + 1], [page_table], kv_caches)
 
