@@ -124,3 +124,47 @@ def test_a_bucket_that_fails_to_compile_runs_eagerly(model, monkeypatch):
     forward.prepare([3])
     assert forward.stats.failed == {3: "RuntimeError: no compiler here"}
     assert not forward._start_compiling(3, 3)  # given up: never retried
+
+
+def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_only(target_model, draft_lm, shm_dir):
+    """The engine and an in-process draft model both compiled (every bucket at warmup), against the
+    eager engine without speculation: the same greedy tokens."""
+    from common.kv_layout import CacheConfig
+    from draft_service.drafters import DrafterConfig
+    from draft_service.local import LocalDrafterStub
+    from target_service.api_types import EngineRequest, SpeculationParams, StopParams
+    from target_service.config import EngineConfig
+    from target_service.engine import build_engine_core
+    from tests.tiny_models import PROMPTS
+
+    compiled = CompileConfig(enabled=True, exact_tokens=4, max_tokens=16)  # buckets 1-4 and 16
+    cache = CacheConfig(shm_dir=str(shm_dir), num_pages=256, page_size=8)
+
+    def generate(core, prompt: str, speculate: bool) -> list[int]:
+        request_id = f"{speculate}-{prompt}"
+        core.add(EngineRequest(request_id, tuple(core.tokenizer.encode(prompt)),
+                               stop=StopParams(max_tokens=24, ignore_eos=True),
+                               speculation=SpeculationParams(disable=not speculate)))
+        tokens = []
+        while request_id in core._tracked:
+            for out in core.step():
+                tokens.extend(out.token_ids)
+        return tokens
+
+    eager = build_engine_core(EngineConfig(model=str(target_model), cache=cache))
+    try:
+        expected = [generate(eager, p, speculate=False) for p in PROMPTS[:3]]
+    finally:
+        eager.close()
+    drafter = LocalDrafterStub(DrafterConfig(kind="draft_model", model=str(draft_lm), dtype="float32",
+                                             shm_dir=str(shm_dir), compile=True))
+    core = build_engine_core(EngineConfig(model=str(target_model), cache=cache, drafter="in-process",
+                                          internal_token="unused", num_speculative_tokens=4,
+                                          speculative_policy="fixed", compile=compiled), drafter_stub=drafter)
+    try:
+        core.warmup()
+        assert set(core.runner.forward.stats.seconds) == {1, 2, 3, 4, 16}
+        assert [generate(core, p, speculate=True) for p in PROMPTS[:3]] == expected
+        assert core.runner.forward.stats.steps.get(16, 0) > 0  # the verifies of 1 + 4 drafts, padded to 16
+    finally:
+        core.close()
