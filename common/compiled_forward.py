@@ -235,7 +235,7 @@ class CompiledForward:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _start_compiling(self, bucket: int, tokens: int) -> bool:
+    def _start_compiling(self, bucket: int) -> bool:
         """Whether `bucket` can run compiled now: compiled in this thread (not `background`), or
         not yet, with its compile started (or running, or failed before) on the background thread."""
         if bucket in self.stats.failed:
@@ -272,7 +272,7 @@ class CompiledForward:
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         tokens = input_ids.shape[0]
         bucket = self.config.bucket(tokens)
-        if bucket is not None and bucket not in self._compiled and not self._start_compiling(bucket, tokens):
+        if bucket is not None and bucket not in self._compiled and not self._start_compiling(bucket):
             bucket = None
         if bucket is None:
             self.stats.eager_steps += 1

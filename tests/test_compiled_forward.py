@@ -123,7 +123,7 @@ def test_a_bucket_that_fails_to_compile_runs_eagerly(model, monkeypatch):
     monkeypatch.setattr(forward, "_compile", broken)
     forward.prepare([3])
     assert forward.stats.failed == {3: "RuntimeError: no compiler here"}
-    assert not forward._start_compiling(3, 3)  # given up: never retried
+    assert not forward._start_compiling(3)  # given up: never retried
 
 
 def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_only(target_model, draft_lm, shm_dir):
