@@ -249,11 +249,9 @@ class CompiledForward:
         return False
 
     def _compile_or_give_up(self, bucket: int) -> bool:
-        device = self.model.model.embed_tokens.weight.device
-        zeros = torch.zeros(bucket, dtype=torch.long, device=device)
         try:
             with torch.inference_mode():
-                self._compile(bucket, zeros, zeros.clone())
+                self._compile(bucket)
             return True
         except Exception as exc:  # noqa: BLE001  a bucket that cannot compile runs eagerly, as before
             self.stats.failed[bucket] = f"{type(exc).__name__}: {exc}"
@@ -313,11 +311,13 @@ class CompiledForward:
         given = dict(zip(self._present, tensors, strict=True))
         return LayerWeights(**{name: given.get(name) for name in vars(self._layers[0])})
 
-    def _compile(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+    def _compile(self, bucket: int) -> None:
         """Trace and compile the three segments for `bucket` rows, on example inputs of that shape."""
         started = time.perf_counter()
         n, segments, weights = len(self._present), self._segments, self._weights
         model = self.model.model
+        device = model.embed_tokens.weight.device
+        input_ids, positions = (torch.zeros(bucket, dtype=torch.long, device=device) for _ in range(2))
         hidden = model.embed_tokens.weight.new_zeros(bucket, self.model.args.hidden_size)
         attended = hidden.new_zeros(bucket, self.model.args.num_heads, self.model.args.head_dim)
         cos, sin = (hidden.new_zeros(bucket, self.model.args.head_dim) for _ in range(2))  # distinct: the compiler
@@ -332,16 +332,14 @@ class CompiledForward:
         def last(x, att, *w):
             return (segments.last(x, att, weights(w[:n]), w[n]),)
 
-        compiled = (
+        self._compiled[bucket] = (
             _compile_graph(first, [input_ids, positions, model.embed_tokens.weight, self.model.rotary.inv_freq,
                                    *self._flat[0]]),
             _compile_graph(middle, [hidden, attended, cos, sin, *self._flat[0], *self._flat[1]])
             if len(self._flat) > 1 else None,
             _compile_graph(last, [hidden, attended, *self._flat[-1], model.norm.weight]))
-        self._compiled[bucket] = compiled
         self.stats.seconds[bucket] = time.perf_counter() - started
         log.info("compiled forward: bucket of %d tokens ready in %.1f s", bucket, self.stats.seconds[bucket])
-        return compiled
 
     def _attend(self, q, k, v, tokens: int, kv_cache, backend: AttentionBackend, spec) -> torch.Tensor:
         """The paged attention of the real rows (writing their K/V), zeros for the padding."""

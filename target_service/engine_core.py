@@ -267,11 +267,11 @@ class EngineCore:
     def warmup(self) -> None:
         """One prefill and a few decodes through every code path, then free everything; every bucket
         of the compiled forward (when on) is compiled first."""
-        started = time.perf_counter()
-        self.runner.forward.prepare(self.runner.forward.buckets())
-        if self.runner.forward.stats.seconds:
-            log.info("compiled forward: %d buckets in %.1f s", len(self.runner.forward.stats.seconds),
-                     time.perf_counter() - started)
+        forward = self.runner.forward
+        forward.prepare(forward.buckets())
+        if forward.stats.seconds:
+            log.info("compiled forward: %d buckets in %.1f s", len(forward.stats.seconds),
+                     sum(forward.stats.seconds.values()))
         n = min(32, self.config.max_num_batched_tokens, self.model_info.max_model_len - 4)
         request = EngineRequest(WARMUP_REQUEST_ID, tuple([0] * max(1, n)), stop=StopParams(max_tokens=3, ignore_eos=True))
         served, self.metrics = self.metrics, TargetMetrics()  # warmup traffic is not served traffic

@@ -24,7 +24,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, backend_cls: type, pool: PagePool, device: torch.device,
-                 compile_config: CompileConfig = CompileConfig(enabled=False)) -> None:
+                 compile_config: CompileConfig = CompileConfig()) -> None:
         self.model = model
         self.forward = CompiledForward(model, compile_config)  # the model's own forward where not compiled
         self.device = device

@@ -38,7 +38,7 @@ class DraftModelDrafter(PooledDrafter):
 
     def __init__(self, model: Qwen3ForCausalLM, cache_config: CacheConfig,
                  num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, model_id: str = "",
-                 attention_backend: str = "auto", compile_config: CompileConfig = CompileConfig(enabled=False)) -> None:
+                 attention_backend: str = "auto", compile_config: CompileConfig = CompileConfig()) -> None:
         super().__init__(cache_config, model, num_speculative_tokens, attention_backend)
         self.model = model
         self.compiled = CompiledForward(model, compile_config)  # its K single-token steps and catch-ups
