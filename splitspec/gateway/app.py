@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,10 +25,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from splitspec.gateway import convert
 from splitspec.gateway.config import GatewayConfig
-from splitspec.gateway.errors import OpenAIError, from_rpc_error, invalid, unsupported
+from splitspec.gateway.errors import OpenAIError, from_rpc_error
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import (
     AssistantMessage,
@@ -44,10 +45,9 @@ from splitspec.gateway.protocol import (
     TEXT_PLACEHOLDER,
     ModelList,
     TextChunks,
-    unsupported_chat,
-    unsupported_completion,
 )
 from splitspec.gateway.target import TargetClient
+from splitspec.gateway.validation import check_chat, check_completion, param_aliases, validation_error
 from splitspec.v1 import generation_pb2 as pb
 
 
@@ -55,8 +55,8 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 SSE_PING_S = 15
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+IDENTITY_ENCODINGS = ("", "identity")
+log = logging.getLogger("splitspec.gateway")
 
 
 @dataclass
@@ -77,43 +77,43 @@ class Gateway:
 # ---------------------------------------------------------------- request bodies
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 past `limit` bytes (by Content-Length, or while it streams in)."""
+def check_encoding(request: Request) -> None:
+    """Bodies are plain JSON: any Content-Encoding (gzip, ...) is refused with 415 rather than
+    parsed as if it were plain (decompressing would let 2 MiB on the wire become gigabytes)."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in IDENTITY_ENCODINGS:
+        raise OpenAIError(415, f"Content-Encoding {encoding!r} is not supported: send the JSON body uncompressed",
+                          "invalid_request_error", None, "unsupported_media_type")
+
+
+def body_too_large(limit: int, declared: str | None = None) -> OpenAIError:
+    size = f" ({declared} bytes)" if declared is not None else ""
+    return OpenAIError(413, f"the request body{size} is larger than {limit} bytes (--max-body-bytes)",
+                       "invalid_request_error", None, "request_too_large")
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 past `limit` bytes (by Content-Length, or while it streams
+    in), with 408 (and the connection closed) when it takes longer than `timeout_s`."""
+    check_encoding(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"the request body ({declared} bytes) is larger than {limit} bytes",
-                          "invalid_request_error", None, "request_too_large")
+        raise body_too_large(limit, declared)
     parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
-                              None, "request_too_large")
-        parts.append(chunk)
+    with anyio.move_on_after(timeout_s) as scope:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            parts.append(chunk)
+    if scope.cancelled_caught:
+        raise OpenAIError(408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout-s)",
+                          "invalid_request_error", None, "request_timeout", close=True)
     return b"".join(parts)
 
 
-def _param(loc: tuple) -> str | None:
-    """A pydantic error location as a dotted OpenAI parameter, without union member tags."""
-    kept = [str(p) for p in loc if isinstance(p, int) or (_IDENTIFIER.match(p) and p not in _TYPE_TAGS)]
-    return ".".join(kept) or None
-
-
-def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
-    errors = exc.errors(include_url=False)
-    # a union reports every member: prefer a member's real complaint (too long, out of
-    # range) over "should be a valid <other type>"
-    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
-    param = _param(first["loc"])
-    if first["type"] == "extra_forbidden":
-        return unsupported(param or "body", f"{param}: unknown parameter (splitspec does not support it)")
-    if first["type"] == "json_invalid":
-        return invalid(None, f"the body is not valid JSON: {first['msg']}")
-    return invalid(param, f"{param}: {first['msg']}" if param else first["msg"])
-
-
-async def parse(request: Request, model: type[pydantic.BaseModel], limit: int):
-    body = await read_body(request, limit)
+async def parse(request: Request, model: type[pydantic.BaseModel], config: GatewayConfig):
+    body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
     try:
         return model.model_validate_json(body)
     except pydantic.ValidationError as exc:
@@ -136,6 +136,7 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     first_text_at: float | None = None
     finished: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)  # the target's OpenAI param name → the one sent
 
     def saw_text(self) -> None:
         if self.first_text_at is None:
@@ -170,14 +171,14 @@ async def check_model(gateway: Gateway, name: str) -> str:
 
 
 async def start(gateway: Gateway, endpoint: str, request_id: str, model: str, request: pb.GenerateRequest,
-                arrival: float, chat: bool) -> Generation:
+                arrival: float, aliases: dict[str, str]) -> Generation:
     try:
-        call = await gateway.client().start(request)
+        call = await gateway.client().start(request, gateway.config.request_timeout_s or None)
     except grpc.aio.AioRpcError as exc:
         gateway.metrics.target_errors.labels(exc.code().name).inc()
-        raise from_rpc_error(exc, chat) from None
+        raise from_rpc_error(exc, aliases) from None
     gateway.metrics.in_flight.labels(endpoint).inc()
-    return Generation(gateway, endpoint, request_id, model, call, arrival)
+    return Generation(gateway, endpoint, request_id, model, call, arrival, aliases=aliases)
 
 
 async def collect(gen: Generation) -> tuple[str, pb.Complete]:
@@ -193,7 +194,7 @@ async def collect(gen: Generation) -> tuple[str, pb.Complete]:
                 return "".join(parts), response.complete
     except grpc.aio.AioRpcError as exc:
         gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
-        raise from_rpc_error(exc) from None
+        raise from_rpc_error(exc, gen.aliases) from None
     raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
 
 
@@ -204,8 +205,10 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def collect_unless_disconnected(request: Request, gen: Generation) -> tuple[str, pb.Complete] | None:
-    """`collect`, or None as soon as the client disconnects (the call is then cancelled)."""
-    result = None
+    """`collect`, or None as soon as the client disconnects (the call is then cancelled).
+    collect's error (an OpenAIError: the target died, a deadline) is raised as itself, not
+    wrapped in the task group's ExceptionGroup, which no handler would map."""
+    result, failure = None, None
     async with anyio.create_task_group() as group:
         async def watch() -> None:
             await wait_disconnect(request)
@@ -214,8 +217,12 @@ async def collect_unless_disconnected(request: Request, gen: Generation) -> tupl
         group.start_soon(watch)
         try:
             result = await collect(gen)
+        except Exception as exc:  # noqa: BLE001 (re-raised below, outside the group)
+            failure = exc
         finally:
             group.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
     return result
 
 
@@ -276,7 +283,7 @@ async def stream_events(gen: Generation, chunk, final, include_usage: bool) -> A
     except grpc.aio.AioRpcError as exc:
         failed = True
         gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
-        yield _error_event(from_rpc_error(exc))
+        yield _error_event(from_rpc_error(exc, gen.aliases))
     except OpenAIError as exc:
         failed = True
         yield _error_event(exc)
@@ -350,24 +357,40 @@ def chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
 
 
 def _record_status(gateway: Gateway):
-    """Pure ASGI middleware: splitspec_gateway_requests_total{endpoint, status}."""
+    """Pure ASGI middleware: splitspec_gateway_requests_total{endpoint, status}. An error no
+    handler mapped is answered here, in OpenAI's shape, as a 500 that is counted too (past
+    this middleware Starlette would answer a plain-text 500 nobody counts)."""
 
     def wrap(app):
         async def middleware(scope, receive, send):
             if scope["type"] != "http":
                 return await app(scope, receive, send)
             endpoint = scope["path"] if scope["path"] in ROUTES else "other"
+            started = False
 
             async def recording_send(message):
+                nonlocal started
                 if message["type"] == "http.response.start":
+                    started = True
                     gateway.metrics.requests.labels(endpoint, str(message["status"])).inc()
                 await send(message)
 
-            await app(scope, receive, recording_send)
+            try:
+                await app(scope, receive, recording_send)
+            except Exception as exc:
+                if started:
+                    raise
+                log.exception("%s %s failed", scope.get("method"), scope["path"])
+                await internal_error(exc).response()(scope, receive, recording_send)
 
         return middleware
 
     return wrap
+
+
+def internal_error(exc: Exception) -> OpenAIError:
+    return OpenAIError(500, f"the gateway failed: {type(exc).__name__}: {exc}"[:500], "internal_error", None,
+                       "internal_error")
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -381,13 +404,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await gateway.target.close()
 
-    app = FastAPI(title="splitspec-gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="splitspec-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     app.add_middleware(_record_status(gateway))
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # one quiet line: a client hanging up mid-upload is no server error
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.info("%s disconnected while sending its %s %s body", client, request.method, request.url.path)
+        if request.url.path in (COMPLETIONS, CHAT):
+            gateway.metrics.disconnects.labels(request.url.path).inc()
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -397,13 +429,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = await parse(request, CompletionRequest, config.max_body_bytes)
-        if (found := unsupported_completion(req)) is not None:
-            raise unsupported(*found)
+        req = await parse(request, CompletionRequest, config)
+        if (found := check_completion(req)) is not None:
+            raise found
         model = await check_model(gateway, req.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         gen = await start(gateway, COMPLETIONS, request_id, model, convert.completion_request(req, request_id),
-                          arrival, chat=False)
+                          arrival, param_aliases(req))
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return respond_stream(gen, completion_events(gen, include_usage))
@@ -412,13 +444,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post(CHAT)
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = await parse(request, ChatCompletionRequest, config.max_body_bytes)
-        if (found := unsupported_chat(req)) is not None:
-            raise unsupported(*found)
+        req = await parse(request, ChatCompletionRequest, config)
+        if (found := check_chat(req)) is not None:
+            raise found
         model = await check_model(gateway, req.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = await start(gateway, CHAT, request_id, model, convert.chat_request(req, request_id), arrival,
-                          chat=True)
+                          param_aliases(req))
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return respond_stream(gen, chat_events(gen, include_usage))

@@ -32,6 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout-s", type=float, default=2.0, help="deadline of the target check of /health")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's headers must arrive within this many seconds of the connection (or of the "
+                        "previous response); else 408 and the connection is closed")
+    p.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request's body must arrive within this many seconds of its headers; else 408 and the "
+                        "connection is closed")
+    p.add_argument("--max-connections", type=int, default=2048,
+                   help="open HTTP connections at most; past it a new connection gets 503 and is closed")
+    p.add_argument("--request-timeout-s", type=float, default=0.0,
+                   help="deadline of a generation on the target (0: none); past it the request is aborted and "
+                        "answered 504 (a stream ends with an error event)")
     add_log_level(p)
     return p
 
@@ -40,7 +51,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(target=args.target, host=args.host, port=args.port, tls_ca=args.tls_ca,
                          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                          max_message_bytes=args.max_message_bytes, health_timeout_s=args.health_timeout_s,
-                         shutdown_grace_s=args.shutdown_grace_s, log_level=args.log_level)
+                         shutdown_grace_s=args.shutdown_grace_s, header_timeout_s=args.header_timeout_s,
+                         body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
+                         request_timeout_s=args.request_timeout_s, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

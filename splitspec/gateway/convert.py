@@ -52,6 +52,7 @@ def completion_request(req: CompletionRequest, request_id: str) -> pb.GenerateRe
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         request.text = prompt
+        request.parse_special_tokens = req.parse_special_tokens
     else:
         request.token_ids.ids.extend(prompt)  # empty: the target names the field
     _sampling(req, req.max_tokens, request)

@@ -46,16 +46,17 @@ class OpenAIError(Exception):
     """An error answered as OpenAI's error JSON with `status`."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.close = close  # close the connection after answering (the rest of the request is unread)
 
     def body(self) -> dict:
         return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param,
                                              code=self.code)).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers={"connection": "close"} if self.close else None)
 
 
 def invalid(param: str | None, message: str) -> OpenAIError:
@@ -66,25 +67,27 @@ def unsupported(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param, "unsupported_parameter")
 
 
-def openai_param(details: str) -> tuple[str | None, str]:
-    """(OpenAI parameter, message) for a target's "field.path: message" error detail."""
+def openai_param(details: str, aliases: dict[str, str] | None = None) -> tuple[str | None, str]:
+    """(OpenAI parameter, message) for a target's "field.path: message" error detail;
+    `aliases` renames a parameter to the one the request used (chat: prompt → messages)."""
     field, sep, rest = details.partition(": ")
     if not sep or " " in field:
         return None, details
     param = PROTO_TO_OPENAI.get(field, field)
+    param = (aliases or {}).get(param, param)
     return param, f"{param}: {rest}" if param != field else details
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError, chat: bool = False) -> OpenAIError:
+def from_rpc_error(exc: grpc.aio.AioRpcError, aliases: dict[str, str] | None = None) -> OpenAIError:
     """The OpenAI error for a failed call to the target."""
     code = exc.code()
     status, type_ = GRPC_TO_HTTP.get(code, DEFAULT_HTTP)
     details = exc.details() or code.name
     param = None
     if status == 400:
-        param, details = openai_param(details)
-        if chat and param == "prompt":
-            param = "messages"
+        param, details = openai_param(details, aliases)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        details = f"the request did not finish within its deadline (--request-timeout-s): {details}"
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"the target is unavailable: {details}"
     return OpenAIError(status, details, type_, param, code.name.lower())

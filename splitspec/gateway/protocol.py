@@ -1,11 +1,11 @@
-"""OpenAI request and response shapes (pydantic), and what of them splitspec supports.
+"""OpenAI request and response shapes (pydantic).
 
-Request models forbid unknown fields: a parameter the gateway does not know is a 400
-naming it, never silently ignored. Known OpenAI parameters that splitspec cannot honour
-(`n > 1`, `logprobs`, tools, penalties, ...) are accepted by the schema and refused by
-`unsupported_*` with a 400 that says so. Types and the ranges protobuf can hold are
-checked here; the value ranges (temperature >= 0, top_p in (0, 1], ...) are the
-target's, which answers INVALID_ARGUMENT naming the field.
+Request models are strict (no string-to-number, bool-to-number or number-to-string
+coercion: `"0"` is not a temperature) and forbid unknown fields: a parameter the gateway
+does not know is a 400 naming it, never silently ignored. Known OpenAI parameters that
+splitspec cannot honour (`n > 1`, `logprobs`, tools, penalties, ...) are accepted by the
+schema and refused by `validation.check_*` with a 400 that says so. Types and the ranges
+protobuf can hold are checked here, the rest in `validation`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import json
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import pydantic
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 INT32_MAX = 2**31 - 1
 MAX_LIST_ITEMS = 4096  # stop strings, stop token ids, messages, content parts: bounds the work per request
@@ -25,7 +26,7 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -75,6 +76,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: Int32 | None = None
+    # splitspec's extra field: special-token strings in a text prompt become special tokens
+    # (unset: the prompt is plain text, as every chat message's content always is)
+    parse_special_tokens: bool = False
 
 
 class TextPart(Strict):
@@ -85,13 +89,24 @@ class TextPart(Strict):
 class ContentPart(BaseModel):
     """Any other part (image_url, input_audio, file, ...): refused by name."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str = Field(max_length=64)
+
+
+def _part_kind(value: Any) -> str:
+    """Which model a content part is checked against: a part of type "text" is a TextPart
+    (so a non-string `text` is named as such), any other a ContentPart."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "text-part" if kind == "text" else "other-part"
+
+
+Part = Annotated[Annotated[TextPart, Tag("text-part")] | Annotated[ContentPart, Tag("other-part")],
+                 Discriminator(_part_kind)]
 
 
 class ChatMessage(Strict):
     role: str = Field(max_length=64)
-    content: str | Annotated[list[TextPart | ContentPart], Field(max_length=MAX_LIST_ITEMS)] | None = None
+    content: str | Annotated[list[Part], Field(max_length=MAX_LIST_ITEMS)] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
@@ -100,7 +115,7 @@ class ChatMessage(Strict):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str = Field(max_length=64)
 
 
@@ -117,70 +132,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True  # vLLM's extra field
 
 
-# ---------------------------------------------------------------- what is not supported
-
-
-def unsupported_common(req: SamplingRequest) -> tuple[str, str] | None:
-    """(param, message) of the first parameter set to something splitspec does not do."""
-    if req.n is not None and req.n != 1:
-        return "n", "n > 1 is not supported: ask for one choice per request"
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        return param, f"{param} is not supported (only 0)"
-    if req.logit_bias:
-        return "logit_bias", "logit_bias is not supported"
-    if req.top_logprobs is not None:
-        return "top_logprobs", "logprobs are not supported"
-    if req.stream_options is not None and not req.stream:
-        return "stream_options", "stream_options is only allowed with stream=true"
-    return None
-
-
-def unsupported_completion(req: CompletionRequest) -> tuple[str, str] | None:
-    if (found := unsupported_common(req)) is not None:
-        return found
-    if req.logprobs is not None:
-        return "logprobs", "logprobs are not supported"
-    if req.echo:
-        return "echo", "echo is not supported"
-    if req.suffix is not None:
-        return "suffix", "suffix is not supported"
-    if req.best_of is not None and req.best_of != 1:
-        return "best_of", "best_of > 1 is not supported"
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)):
-        if len(req.prompt) != 1:
-            return "prompt", "a batch of several prompts is not supported: send one prompt per request"
-    return None
-
-
-def unsupported_chat(req: ChatCompletionRequest) -> tuple[str, str] | None:
-    if (found := unsupported_common(req)) is not None:
-        return found
-    if req.logprobs:
-        return "logprobs", "logprobs are not supported"
-    for name in ("tools", "tool_choice", "functions", "function_call"):
-        if getattr(req, name) not in (None, [], "none"):
-            return name, f"{name}: tool and function calling is not supported"
-    if req.response_format is not None and req.response_format.type != "text":
-        return "response_format", f"response_format {req.response_format.type!r} is not supported (only 'text')"
-    if req.max_tokens is not None and req.max_completion_tokens is not None:
-        return "max_tokens", "give max_tokens or max_completion_tokens, not both"
-    for i, message in enumerate(req.messages):
-        if (found := _unsupported_message(i, message)) is not None:
-            return found
-    return None
-
-
-def _unsupported_message(i: int, message: ChatMessage) -> tuple[str, str] | None:
-    for name in ("name", "tool_calls", "tool_call_id", "function_call"):
-        if getattr(message, name) is not None:
-            return f"messages.{i}.{name}", f"messages[{i}].{name} is not supported"
-    if isinstance(message.content, list):
-        for j, part in enumerate(message.content):
-            if not isinstance(part, TextPart):
-                return (f"messages.{i}.content.{j}",
-                        f"content parts of type {part.type!r} are not supported (only 'text')")
-    return None
+# ---------------------------------------------------------------- messages
 
 
 def message_text(message: ChatMessage) -> str:

@@ -1,5 +1,6 @@
 """Run the gateway: bind the HTTP socket (logging the port it got), then uvicorn until a signal.
 
+Connections are bounded (`guarded_protocol`: a deadline for headers, a cap on how many).
 SIGTERM/SIGINT: uvicorn stops accepting, and in-flight requests (streams too) get
 `--shutdown-grace-s` to finish; what is still running then is cancelled, which aborts
 it on the target.
@@ -15,6 +16,7 @@ import uvicorn
 
 from splitspec.gateway.app import create_app
 from splitspec.gateway.config import GatewayConfig
+from splitspec.gateway.http_protocol import guarded_protocol
 
 log = logging.getLogger("splitspec.gateway")
 
@@ -38,7 +40,14 @@ def _drained(signum, frame) -> None:
 
 async def serve(config: GatewayConfig) -> int:
     sock = bind(config.host, config.port)
-    uv_config = uvicorn.Config(create_app(config), log_config=None, log_level=config.log_level, access_log=False,
+    app = create_app(config)
+    requests = app.state.gateway.metrics.requests
+
+    def refused(status: int) -> None:  # answered by the protocol, before any route
+        requests.labels("other", str(status)).inc()
+
+    protocol = guarded_protocol(config.header_timeout_s, config.max_connections, refused)
+    uv_config = uvicorn.Config(app, http=protocol, log_config=None, log_level=config.log_level, access_log=False,
                                timeout_graceful_shutdown=max(1, round(config.shutdown_grace_s)),
                                server_header=False)
     server = uvicorn.Server(uv_config)

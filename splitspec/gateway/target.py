@@ -32,10 +32,11 @@ class TargetClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def start(self, request: pb.GenerateRequest):
+    async def start(self, request: pb.GenerateRequest, timeout: float | None = None):
         """A Generate call the target has admitted (it sent its request-id metadata);
-        AioRpcError when it refused the request (bad field, queue full, unavailable)."""
-        call = self._stub.Generate(request)
+        AioRpcError when it refused the request (bad field, queue full, unavailable).
+        `timeout`: the call's deadline in seconds (None: none)."""
+        call = self._stub.Generate(request, timeout=timeout)
         try:
             metadata = await call.initial_metadata()
             if metadata is None or REQUEST_ID_METADATA not in metadata.keys():

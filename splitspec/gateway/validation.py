@@ -1,0 +1,193 @@
+"""One validation policy for the OpenAI surface.
+
+- Types are strict (`protocol.Strict`): `"0"` is not a temperature, `true` not a number,
+  `"yes"` not a boolean; a wrong type is a 400 naming the field and the value as sent.
+- Values are checked as sent, before they become protobuf's 32-bit floats: a temperature of
+  1e308 is reported as 1e308 (not as the `inf` it would become), a top_p of 1e-300 as 1e-300
+  (not as 0.0). The target checks every field again; its refusals name the OpenAI
+  parameter the client used (`max_completion_tokens`, not `max_tokens`).
+- A value that is wrong (`n: 0`) is `invalid_request_error`; a value that is valid OpenAI
+  but that splitspec does not do (`n: 2`, tools, logprobs) is `unsupported_parameter`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from typing import Any
+
+import pydantic
+
+from splitspec.gateway.errors import OpenAIError, invalid, unsupported
+from splitspec.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, TextPart
+
+FLOAT32_MAX = 3.4028234663852886e38
+SENT_CHARS = 80  # how much of a value as sent an error message quotes
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def sent(value: Any) -> str:
+    """A value as the client sent it (JSON), shortened."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= SENT_CHARS else text[:SENT_CHARS] + "…"
+
+
+def invalid_value(param: str, message: str) -> OpenAIError:
+    """A value out of its range: the shape of the target's INVALID_ARGUMENT for the same field."""
+    return OpenAIError(400, f"{param}: {message}", "invalid_request_error", param, "invalid_argument")
+
+
+# ---------------------------------------------------------------- pydantic's errors
+
+
+def _param(loc: tuple) -> str | None:
+    """A pydantic error location as a dotted OpenAI parameter, without union member tags."""
+    kept = [str(p) for p in loc if isinstance(p, int) or (_IDENTIFIER.match(p) and p not in _TYPE_TAGS)]
+    return ".".join(kept) or None
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """A union reports every member: a member's real complaint (too long, out of range) over
+    "should be a valid <other type>", and of those the deepest (the member that matched furthest)."""
+    real = [e for e in errors if not e["type"].endswith("_type")]
+    return real[0] if real else max(errors, key=lambda e: len(e["loc"]))
+
+
+def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
+    first = _most_telling(exc.errors(include_url=False))
+    param = _param(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return unsupported(param or "body", f"{param}: unknown parameter (splitspec does not support it)")
+    if first["type"] == "json_invalid":
+        return invalid(None, f"the body is not valid JSON: {first['msg']}")
+    message = f"{first['msg']}, got {sent(first['input'])}" if "input" in first else first["msg"]
+    return invalid(param, f"{param}: {message}" if param else message)
+
+
+# ---------------------------------------------------------------- values as sent
+
+
+def check_float32(param: str, value: float) -> OpenAIError | None:
+    """A float the API carries as a 32-bit float must stay what was sent, roughly."""
+    if abs(value) > FLOAT32_MAX:
+        return invalid_value(param, f"{sent(value)} is too large (at most {FLOAT32_MAX:.7g}, a 32-bit float)")
+    if value != 0 and struct.unpack("f", struct.pack("f", value))[0] == 0:
+        return invalid_value(param, f"{sent(value)} is too small for a 32-bit float (it would be 0)")
+    return None
+
+
+def check_sampling_values(req: SamplingRequest) -> OpenAIError | None:
+    if req.temperature is not None:
+        if req.temperature < 0:
+            return invalid_value("temperature", f"must be >= 0, got {sent(req.temperature)}")
+        if (found := check_float32("temperature", req.temperature)) is not None:
+            return found
+    if req.top_p is not None:
+        if not 0 < req.top_p <= 1:
+            return invalid_value("top_p", f"must be in (0, 1], got {sent(req.top_p)}")
+        if (found := check_float32("top_p", req.top_p)) is not None:
+            return found
+    for name in ("n", "best_of"):
+        count = getattr(req, name, None)
+        if count is not None and count < 1:
+            return invalid_value(name, f"must be >= 1, got {count}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -2 <= value <= 2:
+            return invalid_value(name, f"must be in [-2, 2], got {sent(value)}")
+    return None
+
+
+# ---------------------------------------------------------------- what splitspec does not do
+
+
+def _unsupported_common(req: SamplingRequest) -> OpenAIError | None:
+    if req.n is not None and req.n != 1:
+        return unsupported("n", f"n: {req.n} choices per request are not supported (only 1): send one request "
+                                "per choice")
+    if req.presence_penalty or req.frequency_penalty:
+        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+        return unsupported(param, f"{param} is not supported (only 0)")
+    if req.logit_bias:
+        return unsupported("logit_bias", "logit_bias is not supported")
+    if req.top_logprobs is not None:
+        return unsupported("top_logprobs", "logprobs are not supported")
+    if req.stream_options is not None and not req.stream:
+        return unsupported("stream_options", "stream_options is only allowed with stream=true")
+    return None
+
+
+def check_common(req: SamplingRequest) -> OpenAIError | None:
+    return check_sampling_values(req) or _unsupported_common(req)
+
+
+def check_completion(req: CompletionRequest) -> OpenAIError | None:
+    """The first problem of a completion request the schema let through, or None."""
+    if (found := check_common(req)) is not None:
+        return found
+    if req.logprobs is not None:
+        return unsupported("logprobs", "logprobs are not supported")
+    if req.echo:
+        return unsupported("echo", "echo is not supported")
+    if req.suffix is not None:
+        return unsupported("suffix", "suffix is not supported")
+    if req.best_of is not None and req.best_of != 1:
+        return unsupported("best_of", f"best_of: {req.best_of} is not supported (only 1)")
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)):
+        if len(req.prompt) != 1:
+            return unsupported("prompt", "a batch of several prompts is not supported: send one prompt per request")
+    if req.parse_special_tokens and not _text_prompt(req.prompt):
+        return invalid("parse_special_tokens", "parse_special_tokens applies to a text prompt only (token ids are "
+                                               "taken as they are)")
+    return None
+
+
+def _text_prompt(prompt) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str))
+
+
+def check_chat(req: ChatCompletionRequest) -> OpenAIError | None:
+    """The first problem of a chat request the schema let through, or None."""
+    if (found := check_common(req)) is not None:
+        return found
+    if req.logprobs:
+        return unsupported("logprobs", "logprobs are not supported")
+    for name in ("tools", "tool_choice", "functions", "function_call"):
+        if getattr(req, name) not in (None, [], "none"):
+            return unsupported(name, f"{name}: tool and function calling is not supported")
+    if req.response_format is not None and req.response_format.type != "text":
+        return unsupported("response_format",
+                           f"response_format {req.response_format.type!r} is not supported (only 'text')")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        return invalid("max_tokens", "give max_tokens or max_completion_tokens, not both")
+    for i, message in enumerate(req.messages):
+        if (found := _unsupported_message(i, message)) is not None:
+            return found
+    return None
+
+
+def _unsupported_message(i: int, message: ChatMessage) -> OpenAIError | None:
+    for name in ("name", "tool_calls", "tool_call_id", "function_call"):
+        if getattr(message, name) is not None:
+            return unsupported(f"messages.{i}.{name}", f"messages[{i}].{name} is not supported")
+    if isinstance(message.content, list):
+        for j, part in enumerate(message.content):
+            if not isinstance(part, TextPart):
+                return unsupported(f"messages.{i}.content.{j}",
+                                   f"content parts of type {part.type!r} are not supported (only 'text')")
+    return None
+
+
+def param_aliases(req: SamplingRequest) -> dict[str, str]:
+    """How the target's refusals (named after the completion API) map to what this request sent."""
+    if not isinstance(req, ChatCompletionRequest):
+        return {}
+    aliases = {"prompt": "messages"}
+    if req.max_completion_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    return aliases
