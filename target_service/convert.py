@@ -4,7 +4,8 @@ Conversion only maps fields; the dataclasses validate themselves and name the pu
 field (e.g. "sampling.top_p") in the `InvalidRequestError` they raise. The only checks
 here are the ones that need the tokenizer (the input oneof, the chat template) and the
 prompt's length against the model's, which names the input field and comes before any
-tokenizing it can spare (`PromptLimits.max_text_bytes`, see prompt_bound.py).
+tokenizing it can spare (`PromptLimits.max_text_bytes`, see prompt_bound.py). Text a client
+wrote is tokenized as plain text: it never becomes a special token (prompt_tokens.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from target_service.api_types import (
     Usage,
     check_prompt_fits,
 )
+from target_service.prompt_tokens import PromptTokenizer
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -58,7 +60,7 @@ class RequestDefaults:
 # ---------------------------------------------------------------- requests
 
 
-def engine_request(msg: pb.GenerateRequest, tokenizer, model_info: ModelInfo,
+def engine_request(msg: pb.GenerateRequest, tokenizer: PromptTokenizer, model_info: ModelInfo,
                    defaults: RequestDefaults = RequestDefaults(), limits: PromptLimits | None = None) -> EngineRequest:
     """A validated `EngineRequest` from a `GenerateRequest`."""
     prompt = prompt_token_ids(msg, tokenizer, limits or PromptLimits(model_info.max_model_len))
@@ -80,14 +82,19 @@ def request_id(given: str) -> str:
     return given or uuid.uuid4().hex
 
 
-def prompt_token_ids(msg: pb.GenerateRequest, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
+def prompt_token_ids(msg: pb.GenerateRequest, tokenizer: PromptTokenizer, limits: PromptLimits) -> tuple[int, ...]:
     """The prompt's ids, refused naming the input field when it cannot fit the model."""
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input", "one of text, token_ids or chat is required")
+    if msg.parse_special_tokens and kind != "text":
+        raise InvalidRequestError("parse_special_tokens", f"applies to a text prompt only, not to {kind}")
     if kind == "token_ids":
         return _token_ids(msg.token_ids, limits)
-    ids = _encode_text(msg.text, tokenizer, limits) if kind == "text" else _encode_chat(msg.chat, tokenizer, limits)
+    if kind == "text":
+        ids = _encode_text(msg.text, tokenizer, limits, msg.parse_special_tokens)
+    else:
+        ids = _encode_chat(msg.chat, tokenizer, limits)
     check_prompt_fits(f"input.{kind}", len(ids), limits.max_model_len)
     return ids
 
@@ -98,15 +105,21 @@ def _check_text_fits(field_name: str, text: str, limits: PromptLimits) -> None:
     limit = limits.max_text_bytes
     if limit is None or (len(text) <= limit and len(text.encode()) <= limit):
         return
+    _refuse_text(field_name, limits)
+
+
+def _refuse_text(field_name: str, limits: PromptLimits) -> None:
+    limit = limits.max_text_bytes
     raise InvalidRequestError(field_name, f"more than {limit} bytes of text cannot fit the model length "
                               f"{limits.max_model_len} with this tokenizer (refused before tokenizing)")
 
 
-def _encode_text(text: str, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
+def _encode_text(text: str, tokenizer: PromptTokenizer, limits: PromptLimits,
+                 parse_special_tokens: bool) -> tuple[int, ...]:
     if not text:
         raise InvalidRequestError("input.text", "must not be empty")
     _check_text_fits("input.text", text, limits)
-    return tuple(tokenizer.encode(text))
+    return tokenizer.text(text, parse_special_tokens)
 
 
 def _token_ids(ids: pb.TokenIds, limits: PromptLimits) -> tuple[int, ...]:
@@ -116,17 +129,20 @@ def _token_ids(ids: pb.TokenIds, limits: PromptLimits) -> tuple[int, ...]:
     return tuple(ids.ids)  # the engine checks them against the vocabulary
 
 
-def _encode_chat(chat: pb.ChatMessages, tokenizer, limits: PromptLimits) -> tuple[int, ...]:
+def _encode_chat(chat: pb.ChatMessages, tokenizer: PromptTokenizer, limits: PromptLimits) -> tuple[int, ...]:
     if not chat.messages:
         raise InvalidRequestError("input.chat.messages", "must not be empty")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = [(m.role, m.content) for m in chat.messages]
     add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, tokenize=False)
+        pieces = tokenizer.render_chat(messages, add_prompt)
+    except InvalidRequestError:
+        raise
     except Exception as exc:  # jinja raises for roles or orders a template refuses
         raise InvalidRequestError("input.chat", f"the chat template rejected the messages: {exc}") from exc
-    _check_text_fits("input.chat", text, limits)  # the rendered text is what gets tokenized
-    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    if limits.max_text_bytes is not None and pieces.text_bytes() > limits.max_text_bytes:
+        _refuse_text("input.chat", limits)  # the rendered text is what gets tokenized
+    ids = tokenizer.chat_ids(pieces)
     if not ids:
         raise InvalidRequestError("input.chat", "the rendered chat is empty")
     return ids

@@ -42,6 +42,7 @@ from target_service.api_types import (
 )
 from target_service.async_engine import AsyncEngine
 from target_service.config import EngineConfig
+from target_service.prompt_tokens import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class PromptReader:
         self._defaults = defaults
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._limits: convert.PromptLimits | None = None
+        self._tokenizer: PromptTokenizer | None = None
 
     async def read(self, msg: pb.GenerateRequest, engine: EngineClient) -> EngineRequest:
         if msg.WhichOneof("input") not in ("text", "chat"):
@@ -105,7 +107,9 @@ class PromptReader:
     def _convert(self, msg: pb.GenerateRequest, engine: EngineClient) -> EngineRequest:
         if self._limits is None:  # once per server; racing threads compute the same value
             self._limits = convert.PromptLimits.of(engine.tokenizer(), engine.model_info)
-        return convert.engine_request(msg, engine.tokenizer(), engine.model_info, self._defaults, self._limits)
+        if self._tokenizer is None:  # likewise
+            self._tokenizer = PromptTokenizer(engine.tokenizer())
+        return convert.engine_request(msg, self._tokenizer, engine.model_info, self._defaults, self._limits)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
