@@ -248,12 +248,6 @@ class DrafterHost:
         log.info("answering Propose on the pool's shm channel too (%d KiB each way)", channel.capacity // 1024)
         return True
 
-    def note_grpc_propose(self) -> None:
-        """A Propose came over gRPC (the target saw the channel's thread asleep): steps are
-        coming, so the thread spins again."""
-        if (channel := self._channel) is not None:
-            channel.note_activity()
-
     def stop_channel(self) -> None:
         """Stop the channel's threads (before a call that replaces what they serve; never under `lock`)."""
         channel, self._channel = self._channel, None

@@ -129,7 +129,6 @@ class DrafterServicer(dpb_grpc.DrafterServicer):
         return attach(self._host, request)
 
     async def Propose(self, request, context):
-        self._host.note_grpc_propose()
         return propose(self._host, request)
 
     async def Release(self, request, context):

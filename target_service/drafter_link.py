@@ -157,7 +157,6 @@ class DrafterLink:
     # The pool's shm channel, while the drafter of this epoch answers on it (common/shm_channel.py)
     shm_channel: ChannelClient | None = field(default=None, repr=False)
     channel_proposes: int = 0  # Proposes that went over the shm channel
-    woke_drafter: bool = False  # the last Propose went by gRPC to wake a drafter asleep on its channel
 
     def __post_init__(self) -> None:
         self._backoff = self.config.backoff_initial_s
@@ -246,16 +245,13 @@ class DrafterLink:
         self.state = LinkState.UNAVAILABLE
 
     def propose(self, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
-        """Over the shm channel when the drafter answers there, is polling it (not asleep after a
-        pause: gRPC wakes it sooner) and the request fits; else gRPC."""
+        """Over the shm channel when the drafter answers there and the request fits; else gRPC."""
         self.num_proposes += 1
         self.propose_sequences += len(request.sequences)
         size = request.ByteSize()
         self.propose_bytes += size
         channel = self.shm_channel
-        awake = channel is not None and channel.awake()
-        self.woke_drafter = channel is not None and not awake
-        if awake and size <= channel.capacity:
+        if channel is not None and size <= channel.capacity:
             self.channel_proposes += 1
             reply = channel.call(request.SerializeToString(), self.config.propose_timeout_s)
             return parse_request(reply, dpb.ProposeResponse.FromString)  # the drafter's bytes: hostile as any

@@ -287,7 +287,7 @@ class Speculator:
             positions = sum(asked.values()) + len(asked)
             if rows_behind:
                 self.policy.record_catch_up(positions, rows_behind, elapsed)
-            elif not self.link.woke_drafter:  # waking a drafter asleep on its channel is not what a step costs
+            else:
                 self.policy.record_propose(positions, elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
