@@ -9,6 +9,13 @@ target reports the drafter handshaken (`GetServerInfo`: drafter READY); then sta
 `[gateway]` prefix; and on Ctrl-C or SIGTERM stops the gateway, the target, then the
 drafter (SIGTERM, then SIGKILL after a grace).
 
+Once up, it supervises: a service that exits is restarted on the same address after a
+backoff (0.5 s, doubling to 10 s), with its last log lines printed, while the others keep
+serving (the target serves without speculation while its drafter is away and
+re-handshakes when it is back; the gateway answers 503 while its target is away and
+reconnects). Only a crash loop (`--max-restarts` exits of one service within
+`--restart-window-s`) stops the stack, with exit status 1.
+
 The children run in their own process group, so a terminal's Ctrl-C reaches only this
 process, which stops them in order; on Linux they also get SIGTERM if it dies.
 """
@@ -16,6 +23,7 @@ process, which stops them in order; on Linux they also get SIGTERM if it dies.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import secrets
@@ -66,8 +74,33 @@ def add_parser(sub) -> None:
     p.add_argument("--shm-dir", default="/dev/shm", help="where the shared KV pool file lives")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health and handshake")
     p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each service gets to stop on SIGTERM")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="a service that exits more often than this within --restart-window-s stops the stack")
+    p.add_argument("--restart-window-s", type=float, default=60.0, help="the window of --max-restarts")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_up)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a service that exited is started again, and when `up` gives up on it."""
+
+    max_restarts: int = 5  # exits within window_s past which the stack stops
+    window_s: float = 60.0
+    first_backoff_s: float = 0.5  # doubled per exit within the window
+    max_backoff_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not self.window_s > 0:
+            raise ValueError(f"--restart-window-s must be > 0, got {self.window_s}")
+        if not 0 < self.first_backoff_s <= self.max_backoff_s:
+            raise ValueError(f"the restart backoff must be 0 < first <= max, got {self.first_backoff_s}, "
+                             f"{self.max_backoff_s}")
+
+    def backoff(self, recent_exits: int) -> float:
+        return min(self.max_backoff_s, self.first_backoff_s * 2 ** max(0, recent_exits - 1))
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,35 +109,75 @@ def add_parser(sub) -> None:
 
 @dataclass
 class Child:
-    """One service: its process and a thread copying its log lines to ours."""
+    """One service: its process, a thread copying its log lines to ours, and what it takes
+    to start it again."""
 
     name: str
-    proc: subprocess.Popen
+    module: str
+    args: list[str]
+    env: dict[str, str]
+    out_lock: threading.Lock
+    echo: bool = True
+    proc: subprocess.Popen | None = None
     tail: list[str] = field(default_factory=list)
+    exits: collections.deque = field(default_factory=collections.deque)  # monotonic times of recent exits
+    restart_at: float | None = None  # set while it waits out its backoff
+    pump: threading.Thread | None = None
 
     @classmethod
     def start(cls, name: str, module: str, args: list[str], env: dict[str, str], out_lock: threading.Lock,
               echo: bool = True) -> Child:
+        child = cls(name, module, args, env, out_lock, echo)
+        child.spawn()
+        return child
+
+    def spawn(self) -> None:
         # Its own session (Ctrl-C reaches `up` alone, which stops each in order), and no
         # preexec_fn: with one, Python forks rather than spawns, and gRPC's fork handlers
         # (this process has used gRPC) crashed ~40% of such children before exec
         # (tests/test_up_children.py). Each service stops with `up` by itself (stop_with_parent).
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env | {PARENT_PID_ENV: str(os.getpid())}, start_new_session=True, text=True,
-                                errors="replace", bufsize=1)
-        child = cls(name, proc)
-        threading.Thread(target=child._pump, args=(out_lock, echo), name=f"log-{name}", daemon=True).start()
-        return child
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env | {PARENT_PID_ENV: str(os.getpid())}, start_new_session=True,
+                                     text=True, errors="replace", bufsize=1)
+        self.pump = threading.Thread(target=self._pump, args=(self.proc,), name=f"log-{self.name}", daemon=True)
+        self.pump.start()
 
-    def _pump(self, out_lock: threading.Lock, echo: bool) -> None:
+    def _pump(self, proc: subprocess.Popen) -> None:
         prefix = f"[{self.name}] "
-        for line in self.proc.stdout:
+        for line in proc.stdout:
             line = line.rstrip("\n")
             self.tail = (self.tail + [line])[-40:]
-            if echo:
-                with out_lock:
+            if self.echo:
+                with self.out_lock:
                     print(prefix + line, flush=True)
+
+    def last_lines(self, count: int = 15) -> str:
+        return "\n".join(f"  [{self.name}] {line}" for line in self.tail[-count:]) or "  (no output)"
+
+    def tend(self, now: float, policy: RestartPolicy, say) -> None:
+        """Notice an exit and schedule a restart, or restart once the backoff is over;
+        UpError when the service is in a crash loop."""
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.spawn()
+                say(f"splitspec up: {self.name} restarted (pid {self.proc.pid})")
+            return
+        if self.running():
+            return
+        self.pump.join(timeout=2)  # its last lines, read to the end of its output
+        self.exits.append(now)
+        while self.exits and self.exits[0] < now - policy.window_s:
+            self.exits.popleft()
+        if len(self.exits) > policy.max_restarts:
+            raise UpError(f"{self.name} exited {len(self.exits)} times within {policy.window_s:g} s (status "
+                          f"{self.proc.returncode} last): a crash loop, giving up. Its last lines:\n"
+                          f"{self.last_lines()}")
+        delay = policy.backoff(len(self.exits))
+        self.restart_at = now + delay
+        say(f"splitspec up: {self.name} exited with status {self.proc.returncode}; restarting it in {delay:g} s. "
+            f"Its last lines:\n{self.last_lines()}")
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -115,6 +188,9 @@ class Child:
             raise UpError(f"{self.name} exited with status {self.proc.returncode}:\n{tail}")
 
     def stop(self, timeout: float) -> int:
+        if self.restart_at is not None:  # exited, its exit reported, waiting for its restart
+            self.restart_at = None
+            return 0
         if self.running():
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -262,6 +338,13 @@ class Stack:
         with self.out_lock:
             print(message, flush=True)
 
+    def supervise(self, stop: threading.Event, policy: RestartPolicy) -> None:
+        """Restart the services that exit until `stop` is set; UpError on a crash loop."""
+        while not stop.wait(0.2):
+            now = time.monotonic()
+            for child in self.children:
+                child.tend(now, policy, self.say)
+
     def stop(self, timeout: float) -> bool:
         clean = True
         for child in reversed(self.children):
@@ -321,11 +404,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack = Stack()
     code = 0
     try:
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
         bring_up(args, stack)
         starting = False
-        while not stop.wait(0.2):
-            for child in stack.children:
-                child.check_alive()
+        stack.supervise(stop, policy)
+    except ValueError as exc:
+        stack.say(f"splitspec up: error: {exc}")
+        code = EXIT_FAILED
     except Interrupted:
         pass
     except UpError as exc:
