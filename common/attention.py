@@ -127,6 +127,7 @@ class _Group:
     mask: torch.Tensor | None  # [B, 1, Qmax, kv_len] bool, True = attend
     is_causal: bool  # one sequence whose queries are all its keys: SDPA's own causal mask
     _gqa_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    tile_mask: torch.Tensor | None = None  # the batch-invariant backend's mask in tiles, built once per step
 
     @property
     def num_seqs(self) -> int:
@@ -327,15 +328,20 @@ class TorchAttentionBackend:
     def _attend(
         self, group: _Group, q: torch.Tensor, kv_cache: torch.Tensor, spec: LayerSpec, scale: float
     ) -> torch.Tensor:
-        k_cache, v_cache = gather_kv_from_pages(
+        k_cache, v_cache = self._gather(group, q, kv_cache, spec)
+        return attend_group(group, q, k_cache, v_cache, scale)
+
+    def _gather(
+        self, group: _Group, q: torch.Tensor, kv_cache: torch.Tensor, spec: LayerSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, Hkv, S', D] each
+        return gather_kv_from_pages(
             kv_cache,
             group.page_table,
             order=self.layout.order,
             dtype=q.dtype,
             k_scale=spec.k_scale,
             v_scale=spec.v_scale,
-        )  # [B, Hkv, S', D] each
-        return attend_group(group, q, k_cache, v_cache, scale)
+        )
 
     def _require_plan(self, num_tokens: int) -> _Plan:
         if self._plan is None:

@@ -18,6 +18,7 @@ import common.flashinfer_backend as flashinfer_backend
 from common import flashinfer_probe
 from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
+from common.invariant_attention import BatchInvariantTorchBackend
 from common.kv_layout import LayerSpec
 
 log = logging.getLogger(__name__)
@@ -59,16 +60,19 @@ def select_backend(
     head_dims: tuple[int, ...] = (),
     model_dtype: torch.dtype | None = None,
     kv_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
 ) -> type:
     """The backend class for `--attention-backend` (auto | torch | flashinfer).
 
     auto: FlashInfer on a CUDA device where `import flashinfer` works, its kernels fit the
     model (head dims, model and KV dtypes, when given) and can be loaded or built here
     (common/flashinfer_probe.py: prebuilt kernels, or nvcc and ninja), else torch, with one
-    warning saying why. flashinfer: the same conditions, as a ValueError naming what to change."""
+    warning saying why. flashinfer: the same conditions, as a ValueError naming what to change.
+    `batch_invariant`: the torch backend's variant whose rows do not depend on the rest of
+    the step (common/invariant_attention.py), for a reduced-precision target on a CPU."""
     check_backend_name(name)
     if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend
+        return BatchInvariantTorchBackend if batch_invariant else TorchAttentionBackend
     if device.type != "cuda":
         raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
     flashinfer = flashinfer_backend.FlashInferAttentionBackend

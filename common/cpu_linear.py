@@ -15,7 +15,7 @@ oneDNN JIT-compiles (and caches) one primitive per input shape, about 0.5 MB eac
 prompts of every length would keep adding them, and memory (+40 MB over a flood of mixed
 requests). So row counts past `EXACT_ROWS` are padded up to one of a few sizes (×1.5 or
 ×4/3 apart: 24, 32, 48, ..., 512), at most a third more work on a prefill; past
-`MAX_PACKED_ROWS` the plain product runs; and every shape that can occur is built once,
+`MAX_PACKED_ROWS` the product runs in chunks of that many rows; and every shape that can occur is built once,
 when the model is packed (~0.1 s, and on the demo target ~75 MB up front instead of a
 slow climb).
 
@@ -39,7 +39,7 @@ MIN_PACKED_ROWS = 2  # float32: a single row runs faster through the plain sgemm
 MIN_PACKED_ROWS_BF16 = 1  # bfloat16: the packed product is faster from one row (torch's own is slower than float32)
 PACKING_BATCH_HINT = 16  # the row count oneDNN tunes the packed layout for
 EXACT_ROWS = 16  # up to here (decodes and verifies of small batches) every row count runs as it is
-MAX_PACKED_ROWS = 512  # past this, F.linear: a chunk that large is compute-bound either way
+MAX_PACKED_ROWS = 512  # longer products run in chunks of this many rows
 
 
 def padded_rows(rows: int) -> int:
@@ -85,18 +85,26 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.min_rows = min_packed_rows(linear.weight.dtype)
+        self.chunk_rows = MAX_PACKED_ROWS  # longer products run in chunks of this many rows (see invariant_chunk_rows)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         rows = x.numel() // self.in_features
-        if not self.min_rows <= rows <= MAX_PACKED_ROWS:
+        if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
+        if rows > self.chunk_rows:
+            chunks = [self._packed_product(chunk) for chunk in flat.split(self.chunk_rows)]
+            return torch.cat(chunks).view(*x.shape[:-1], self.out_features)
+        return self._packed_product(flat).view(*x.shape[:-1], self.out_features)
+
+    def _packed_product(self, flat: torch.Tensor) -> torch.Tensor:  # [rows, in] → [rows, out]
+        rows = flat.shape[0]
         padded = padded_rows(rows)
         if padded != rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])  # [padded, in]
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")  # [padded, out]
-        return out[:rows].view(*x.shape[:-1], self.out_features)
+        return out[:rows]
 
 
 # Largest relative difference from `F.linear` a probe accepts: rounding of a different
@@ -142,6 +150,28 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger) -> int:
         log.info("CPU linears: %d packed for oneDNN (%s; products of up to %d rows)", len(packed),
                  ", ".join(sorted({str(layer.weight.dtype) for layer in packed})), MAX_PACKED_ROWS)
     return len(packed)
+
+
+CHUNK_CANDIDATES = (512, 256, 128, 64, 32, 16)
+
+
+def invariant_chunk_rows(layer: PackedLinear) -> int | None:
+    """The longest chunk (of CHUNK_CANDIDATES) within which every row of this layer's packed
+    product gets the bits it gets alone, whatever the row count, or None if not even 16.
+
+    oneDNN picks its kernel and blocking per shape: on the CPU this was written on, a bfloat16
+    896→384 product rounded rows differently at 48-256 rows than alone, and agreed at 1-32 and
+    at 384-512. Cut into chunks no longer than the answer, a prefill, a batch and a verify
+    give each row what a decode of it would (common/invariant_attention.py)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(CHUNK_CANDIDATES[0], layer.in_features, generator=generator).to(layer.weight.dtype)  # [R, in]
+    with torch.inference_mode():
+        alone = torch.cat([layer._packed_product(x[r : r + 1]) for r in range(x.shape[0])])  # [R, out]
+        for chunk in CHUNK_CANDIDATES:
+            counts = sorted({padded_rows(rows) for rows in range(1, chunk + 1)})
+            if all(torch.equal(layer._packed_product(x[:rows]), alone[:rows]) for rows in counts):
+                return chunk
+    return None
 
 
 def packed_row_counts(dtype: torch.dtype = torch.float32) -> list[int]:

@@ -14,6 +14,7 @@ The engine's rooms, in the order a step passes through them:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ import torch
 
 from common.cpu_linear import pack_cpu_linears
 from common.dtypes import config_dtype, resolve_model_dtype
+from common.invariant_attention import make_batch_invariant
 from common.kv_pool import PagePool, remove_stale_shm_files
 from common.pool_transport import check_ipc_allocator
 from common.weights import load_config, resolve_model_path
@@ -53,9 +55,15 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     model = Qwen3ForCausalLM.from_pretrained(model_path, dtype=dtype, device=device)
     pack_cpu_linears(model, log)
+    batch_invariant = _batch_invariant(model, dtype, device)
+    compile_config = config.compile
+    if batch_invariant and compile_config.enabled:
+        log.warning("--compile is off for this %s target: its compiled segments differ by bucket, and a verify "
+                    "must compute each row as a decode would, bit for bit", dtype)
+        compile_config = dataclasses.replace(compile_config, enabled=False)
 
     target_id = uuid.uuid4().hex[:16]
-    backend_cls = choose_backend(config, model, device)
+    backend_cls = choose_backend(config, model, device, batch_invariant)
     if device.type == "cuda" and config.drafter:
         check_ipc_allocator()  # fail at start, not at the first handshake
     planner = PoolPlanner(config, model, backend_cls, device, _max_model_len(config, hf_config))
@@ -67,7 +75,7 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     if device.type == "cpu":
         remove_stale_shm_files(config.cache.shm_dir)
     pool = PagePool.create(layout, device, config.cache.shm_dir)
-    runner = ModelRunner(model, backend_cls, pool, device, config.compile)
+    runner = ModelRunner(model, backend_cls, pool, device, compile_config)
     info = ModelInfo(
         model_id=config.model,
         architecture=(hf_config.architectures or ["unknown"])[0],
@@ -91,6 +99,21 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
              core.layout.kv_dtype, core.layout.num_pages, core.layout.page_size, core.layout.order,
              shared.describe_drafter() if link else "none")
     return core
+
+
+def _batch_invariant(model, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this target runs the batch-invariant attention: in a reduced precision on a CPU,
+    where its rows would otherwise round differently in a verify than in a decode
+    (docs/design.md#lossless-in-bfloat16), if the probe finds its products invariant here."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return False
+    problem = make_batch_invariant(model)
+    if problem is not None:
+        log.warning("batch-invariant attention off: %s on this CPU; speculative output equals target-only "
+                    "up to %s rounding, not bit for bit", problem, dtype)
+        return False
+    log.info("batch-invariant attention on: each row of a %s verify or batch computes what its decode would", dtype)
+    return True
 
 
 def _eos_token_ids(model_path, tokenizer) -> tuple[int, ...]:

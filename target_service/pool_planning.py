@@ -45,13 +45,13 @@ def plan_num_pages(cache: CacheConfig, per_page: int, device: torch.device, max_
     return max(1, min(budget // per_page, useful))
 
 
-def choose_backend(config: EngineConfig, model, device: torch.device) -> type:
+def choose_backend(config: EngineConfig, model, device: torch.device, batch_invariant: bool = False) -> type:
     """The attention backend class for this model, KV dtype and device (once, at start)."""
     model_dtype = next(model.parameters()).dtype
     kv_dtype = KV_DTYPES[canonical_kv_dtype(config.cache.cache_dtype, model_dtype)]
     head_dims = tuple(sorted({spec.head_dim for spec in model.kv_layer_specs()}))
     return select_backend(config.attention_backend, device, head_dims=head_dims, model_dtype=model_dtype,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, batch_invariant=batch_invariant)
 
 
 @dataclass(frozen=True)
