@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from common.attention import TorchAttentionBackend, gather_kv_from_pages, read_kv_slots, write_kv_to_pages
+from common.invariant_attention import BatchInvariantTorchBackend
 from common.attention_backends import select_backend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import LayerSpec, build_layout
@@ -33,6 +34,8 @@ HEAD_DIM = 8
 
 class Harness:
     """One layer's pages, random per-sequence q/k/v, and a dense reference."""
+
+    backend_cls: type = TorchAttentionBackend
 
     def __init__(
         self,
@@ -64,7 +67,7 @@ class Harness:
         self.q = [torch.randn(n, q_heads, HEAD_DIM, generator=gen) for n in seq_lens]
         self.k = [torch.randn(n, kv_heads, HEAD_DIM, generator=gen) for n in seq_lens]
         self.v = [torch.randn(n, kv_heads, HEAD_DIM, generator=gen) for n in seq_lens]
-        self.backend = TorchAttentionBackend(self.layout)
+        self.backend = self.backend_cls(self.layout)
         self.scale = HEAD_DIM**-0.5
 
     def step(self, spans: list[tuple[int, int]], causal: bool = True) -> list[torch.Tensor]:
@@ -118,6 +121,14 @@ def check(h: Harness, outs, spans, causal=True, atol=1e-5, round_trip=False) -> 
         worst = max(worst, diff)
         assert diff <= atol, f"sequence {b} positions {s}:{e}: max abs diff {diff:.3g} > {atol}"
     return worst
+
+
+@pytest.fixture(autouse=True, params=[TorchAttentionBackend, BatchInvariantTorchBackend], ids=["sdpa", "invariant"])
+def backend_cls(request, monkeypatch):
+    """Every test runs through both torch backends: the batch-invariant one (common/invariant_attention.py)
+    reads the same pages through its own gather and must compute the same attention."""
+    monkeypatch.setattr(Harness, "backend_cls", request.param)
+    return request.param
 
 
 ORDERS = ["NHD", "HND"]
