@@ -30,6 +30,9 @@ keep their `nn.Linear` layers.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -84,13 +87,15 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.min_rows = min_packed_rows(linear.weight.dtype)
+        # Padded row counts that take F.linear instead (select_kernels measures them for float32;
+        # bfloat16 stays packed at every count: one kernel keeps its rows batch-invariant).
+        self.plain_rows: frozenset[int] = frozenset(range(1, min_packed_rows(linear.weight.dtype)))
         self.chunk_rows = MAX_PACKED_ROWS  # longer products run in chunks of this many rows (see invariant_chunk_rows)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
         rows = x.numel() // self.in_features
-        if rows < self.min_rows:
+        if padded_rows(min(rows, self.chunk_rows)) in self.plain_rows:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)  # [rows, in]
         if rows > self.chunk_rows:
@@ -149,6 +154,10 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger) -> int:
     if packed:
         log.info("CPU linears: %d packed for oneDNN (%s; products of up to %d rows)", len(packed),
                  ", ".join(sorted({str(layer.weight.dtype) for layer in packed})), MAX_PACKED_ROWS)
+    choices = select_kernels(packed)
+    if choices:
+        log.info("CPU linears, the faster kernel measured per float32 shape and row count (%d threads):\n  %s",
+                 torch.get_num_threads(), "\n  ".join(choice.describe() for choice in choices))
     return len(packed)
 
 
@@ -174,9 +183,89 @@ def invariant_chunk_rows(layer: PackedLinear) -> int | None:
     return None
 
 
-def packed_row_counts(dtype: torch.dtype = torch.float32) -> list[int]:
-    """Every row count a packed product of this dtype runs at."""
-    return sorted({padded_rows(rows) for rows in range(min_packed_rows(dtype), MAX_PACKED_ROWS + 1)})
+Timer = Callable[[str, int, Callable[[], object]], float]  # (kernel, rows, call) → seconds per call
+
+
+def time_call(call: Callable[[], object], repeat: int = 5) -> float:
+    """The median of `repeat` timed calls after a warm one."""
+    call()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@dataclass
+class KernelChoice:
+    """What `select_kernels` measured for one float32 layer shape, in µs per product by row count."""
+
+    in_features: int
+    out_features: int
+    plain_us: dict[int, float] = field(default_factory=dict)
+    packed_us: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def plain_rows(self) -> frozenset[int]:
+        return frozenset(rows for rows, us in self.plain_us.items() if us < self.packed_us.get(rows, float("inf")))
+
+    def describe(self) -> str:
+        """`384->768: F.linear at 1-3, 24; packed at 4-16, 32-512`"""
+        plain = self.plain_rows
+        ranges = {kind: _ranges([r for r in sorted(self.packed_us) if (r in plain) == (kind == "F.linear")])
+                  for kind in ("F.linear", "packed")}
+        return f"{self.in_features}->{self.out_features}: " + "; ".join(
+            f"{kind} at {text}" for kind, text in ranges.items() if text)
+
+
+def _ranges(rows: list[int]) -> str:
+    counts = packed_row_counts()
+    parts: list[list[int]] = []
+    for r in rows:
+        if parts and counts.index(r) == counts.index(parts[-1][-1]) + 1:
+            parts[-1].append(r)
+        else:
+            parts.append([r])
+    return ", ".join(str(p[0]) if len(p) == 1 else f"{p[0]}-{p[-1]}" for p in parts)
+
+
+def select_kernels(layers: list[PackedLinear], timer: Timer | None = None, budget_s: float = 1.0) -> list[KernelChoice]:
+    """For each float32 layer shape, time `F.linear` against the packed product at every row count
+    a product runs at, and give each layer of that shape the faster one per count.
+
+    Which wins depends on the CPU, not only the shape (on one Xeon the packed product lost at
+    2-4 rows where on an EPYC it won from 2): so it is measured at load. Counts are timed in
+    order of use (1 row, then the verify and batch sizes, then prefill chunks) within `budget_s`
+    in all; a count left untimed keeps the packed product, which wins the long products."""
+    measure = timer or (lambda kernel, rows, call: time_call(call))
+    shapes: dict[tuple, list[PackedLinear]] = {}
+    for layer in layers:
+        if layer.weight.dtype == torch.float32:
+            shapes.setdefault((layer.in_features, layer.out_features, layer.bias is not None), []).append(layer)
+    deadline = time.perf_counter() + budget_s
+    generator = torch.Generator().manual_seed(0)
+    choices = []
+    with torch.inference_mode():
+        for same in shapes.values():
+            layer = same[0]
+            choice = KernelChoice(layer.in_features, layer.out_features)
+            x = torch.randn(MAX_PACKED_ROWS, layer.in_features, generator=generator)  # [R, in]
+            for rows in packed_row_counts():
+                if time.perf_counter() > deadline:
+                    break
+                flat = x[:rows]
+                choice.plain_us[rows] = 1e6 * measure("F.linear", rows, lambda: F.linear(flat, layer.weight, layer.bias))
+                choice.packed_us[rows] = 1e6 * measure("packed", rows, lambda: layer._packed_product(flat))
+            for each in same:
+                each.plain_rows = choice.plain_rows
+            choices.append(choice)
+    return choices
+
+
+def packed_row_counts() -> list[int]:
+    """Every row count a packed product runs at."""
+    return sorted({padded_rows(rows) for rows in range(1, MAX_PACKED_ROWS + 1)})
 
 
 def _build_every_shape(packed: list[PackedLinear]) -> None:
@@ -186,5 +275,5 @@ def _build_every_shape(packed: list[PackedLinear]) -> None:
               for layer in packed}
     with torch.inference_mode():
         for layer in shapes.values():
-            for rows in packed_row_counts(layer.weight.dtype):
+            for rows in packed_row_counts():
                 layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))

@@ -191,6 +191,7 @@ def make_batch_invariant(model: torch.nn.Module) -> str | None:
             return f"oneDNN's packed {in_features}->{out_features} ({dtype}) product rounds a row by the row count"
         for layer in layers:
             layer.chunk_rows = chunk
+            layer.plain_rows = frozenset()  # one kernel at every row count
     with torch.inference_mode():
         for (in_features, out_features, dtype), module in others.items():
             x = torch.randn(512, in_features, generator=generator).to(dtype)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from common.cpu_linear import (EXACT_ROWS, MAX_PACKED_ROWS, MIN_PACKED_ROWS, PackedLinear, native_cpu_bf16,
-                               pack_cpu_linears, packed_row_counts, padded_rows)
+                               pack_cpu_linears, packed_row_counts, padded_rows, select_kernels)
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
 
@@ -67,7 +67,7 @@ def test_bfloat16_layers_are_packed_from_one_row_and_compute_what_nn_linear_does
         got, expected = packed(x), linear(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    assert packed_row_counts(torch.bfloat16)[0] == 1
+    assert not packed.plain_rows  # bfloat16: packed at every row count (one kernel: batch-invariant rows)
 
 
 def test_row_counts_map_to_few_shapes_for_little_padding():
@@ -78,3 +78,49 @@ def test_row_counts_map_to_few_shapes_for_little_padding():
     for rows in range(1, 4097):
         assert rows <= padded_rows(rows) <= max(rows, 1.5 * rows)
     assert [padded_rows(r) for r in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
+
+
+def _two_layers_of_one_shape_and_one_of_another() -> list[PackedLinear]:
+    torch.manual_seed(0)
+    return [PackedLinear(nn.Linear(48, 80)), PackedLinear(nn.Linear(48, 80)), PackedLinear(nn.Linear(80, 48, bias=False))]
+
+
+def test_the_kernel_per_row_count_follows_the_measurement():
+    """Timings injected: F.linear "faster" at 1, 2 and 9 rows for 48->80 and never for 80->48; each
+    layer takes what was measured for its shape, and computes what nn.Linear does at every count."""
+    layers = _two_layers_of_one_shape_and_one_of_another()
+    seen: list[tuple[int, str, int]] = []
+
+    def timer(kernel: str, rows: int, call) -> float:
+        out = call()  # the candidate really runs
+        width = out.shape[1]
+        seen.append((width, kernel, rows))
+        plain_wins = width == 80 and rows in (1, 2, 9)
+        return 1.0 if (kernel == "F.linear") == plain_wins else 2.0
+
+    choices = select_kernels(layers, timer=timer, budget_s=60.0)
+    assert [(c.in_features, c.out_features) for c in choices] == [(48, 80), (80, 48)]
+    assert layers[0].plain_rows == layers[1].plain_rows == {1, 2, 9}
+    assert layers[2].plain_rows == frozenset()
+    assert {rows for width, _, rows in seen if width == 80} == set(packed_row_counts())  # every count, once per shape
+    assert choices[0].describe() == "48->80: F.linear at 1-2, 9; packed at 3-8, 10-512"
+    with torch.inference_mode():
+        for layer, reference in ((layers[0], nn.Linear(48, 80)), (layers[2], nn.Linear(80, 48, bias=False))):
+            reference.weight, reference.bias = layer.weight, layer.bias
+            for rows in (1, 2, 3, 9, 17, 600):
+                x = torch.randn(rows, layer.in_features)
+                torch.testing.assert_close(layer(x), reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_counts_left_untimed_by_the_budget_keep_the_packed_product():
+    layers = _two_layers_of_one_shape_and_one_of_another()
+    choices = select_kernels(layers, timer=lambda kernel, rows, call: 1.0 if kernel == "F.linear" else 2.0,
+                             budget_s=0.0)
+    assert all(not layer.plain_rows for layer in layers) and all(not c.plain_us for c in choices)
+
+
+def test_bfloat16_layers_are_not_timed():
+    layer = PackedLinear(nn.Linear(32, 32).to(torch.bfloat16)) if native_cpu_bf16() else None
+    if layer is None:
+        pytest.skip("this CPU has no native bfloat16 dot products")
+    assert select_kernels([layer], timer=lambda *args: pytest.fail("timed a bfloat16 layer")) == []
