@@ -8,6 +8,7 @@
   6. splitspec + draft_model      (drafter in a second process; Propose over the pool's shm channel)
   7. splitspec + dflash           (drafter in a second process; Propose over the pool's shm channel)
   8. splitspec + dflash, one process (the drafter called directly: 7 vs 8 is the split's cost)
+  9. row 7's engine with no drafts asked (concurrency 1): what an idle drafter process costs
 
 Rows 4-8 drive the engine in this process (no client RPC), so every row measures
 decoding, not the client. Usage:
@@ -194,7 +195,7 @@ def run_engine(core: EngineCore, prompts: list[list[int]], new_tokens: int, conc
 
 class DrafterProcess:
     def __init__(self, kind: str, models: Path, token: str, log: Path, shm_dir: str,
-                 compile_steps: bool = False) -> None:
+                 compile_steps: bool = False, extra_args: list[str] | None = None) -> None:
         port, metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -202,7 +203,8 @@ class DrafterProcess:
                  "dflash": ["--model", str(models / "dflash")]}[kind]
         cmd = [sys.executable, "-m", "draft_service.cli", "--kind", kind, *model, "--target-model",
                str(models / "target"), "--port", str(port), "--metrics-port", str(metrics_port),
-               "--shm-dir", shm_dir, "--log-level", "warning", "--compile" if compile_steps else "--no-compile"]
+               "--shm-dir", shm_dir, "--log-level", "warning", "--compile" if compile_steps else "--no-compile",
+               *(extra_args or [])]
         env = {**os.environ, "SPLITSPEC_INTERNAL_TOKEN": token}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -248,7 +250,7 @@ def median_seconds(run: Callable[[], float], repeat: int) -> float:
 
 
 def measure_once(core: EngineCore, row: int, name: str, prompts: list[list[int]], new_tokens: int,
-                 concurrency: int, drafter_metrics: str | None = None) -> Result:
+                 concurrency: int, drafter_metrics: str | None = None, speculate: bool = True) -> Result:
     """One run of an engine row; with a drafter, the mean Propose round trip and, for a
     drafter process, the part spent inside the drafter (the rest is transport)."""
     propose = HistogramMean.of(core.metrics.propose_latency)
@@ -256,7 +258,7 @@ def measure_once(core: EngineCore, row: int, name: str, prompts: list[list[int]]
               if drafter_metrics else None)
     chosen = ChosenK(core)
     verify, decode = forward_mean(core, "verify"), forward_mean(core, "decode")
-    n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency)
+    n, s, steps, d, a = run_engine(core, requests_for(prompts, concurrency), new_tokens, concurrency, speculate)
     mean_k, zero_share, probe_share = chosen.summary()
     return Result(row, name, concurrency, n, s, steps, d, a, propose_ms=propose.ms(),
                   drafter_ms=inside.ms() if inside else None, mean_k=mean_k, zero_k_share=zero_share,
@@ -269,6 +271,8 @@ class EngineRow:
     name: str
     core: EngineCore
     drafter_metrics: str | None = None  # a drafter process's /metrics
+    speculate: bool = True
+    levels: tuple[int, ...] | None = None  # the concurrencies it runs at (None: all)
 
 
 def measure_interleaved(rows: list[EngineRow], prompts: list[list[int]], new_tokens: int, concurrency: int,
@@ -276,11 +280,12 @@ def measure_interleaved(rows: list[EngineRow], prompts: list[list[int]], new_tok
     """Each row's median of `repeat` runs, the rows taking turns (row 4, 5, ..., 8, then again):
     a drift of this machine's speed over the minutes of a run then lands on every row alike,
     where row after row it would land on whichever ran during it."""
+    rows = [r for r in rows if r.levels is None or concurrency in r.levels]
     runs: dict[int, list[Result]] = {r.row: [] for r in rows}
     for _ in range(repeat):
         for r in rows:
             runs[r.row].append(measure_once(r.core, r.row, r.name, prompts, new_tokens, concurrency,
-                                            r.drafter_metrics))
+                                            r.drafter_metrics, r.speculate))
     return [median_of(found, key=lambda res: res.seconds) for found in runs.values()]
 
 
@@ -323,7 +328,7 @@ def _chosen_note(mean_k: float | None, zero_share: float | None, probe_share: fl
 
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
                    repeat: int, tmp: str, policy: str = "adaptive", compile_steps: bool = False) -> list[Result]:
-    """Rows 4-8, every engine (and drafter process) up at once and measured in turns."""
+    """Rows 4-9, every engine (and drafter process) up at once and measured in turns."""
     token = secrets.token_hex(16)
     rows: list[EngineRow] = []
     drafters: list[DrafterProcess] = []
@@ -339,6 +344,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
             if not core.link.ready:
                 raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
             core.warmup()
+        rows.append(EngineRow(9, "splitspec + dflash (2 processes), no drafts asked", core, speculate=False, levels=(1,)))
         core = in_process_engine(models, tmp, k, "dflash", policy, compile_steps=compile_steps)
         core.warmup()
         rows.append(EngineRow(8, "splitspec + dflash (1 process)", core))
@@ -348,8 +354,8 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
             results += measure_interleaved(measured, prompts, new_tokens, c, repeat)
         return results
     finally:
-        for r in rows:
-            r.core.close()
+        for core in {id(r.core): r.core for r in rows}.values():  # row 9 is row 7's engine
+            core.close()
         for drafter in drafters:
             drafter.stop()
 
@@ -431,6 +437,8 @@ def targets(results: list[Result]) -> list[str]:
     r = lambda row, c=1: by.get((row, c))  # noqa: E731
     if r(7) and r(4):
         check("row 7 / row 4 tokens/s at concurrency 1", r(7).tokens_per_s / r(4).tokens_per_s, 1.5)
+        if r(8):
+            check("row 8 / row 4 tokens/s at concurrency 1", r(8).tokens_per_s / r(4).tokens_per_s, 1.5)
         decode = r(4).decode_ms
         if r(7).verify_ms is not None and decode:
             check("row 7 verify step / row 4 decode step at concurrency 1", r(7).verify_ms / decode, 1.3,
@@ -438,6 +446,9 @@ def targets(results: list[Result]) -> list[str]:
         if r(7).drafter_ms is not None and decode:
             check("time inside the drafter per Propose / row 4 decode step at concurrency 1",
                   r(7).drafter_ms / decode, 0.35, higher=False)
+    if r(9) and r(4):
+        check("row 9 (the split asking no drafts) / row 4 step time at concurrency 1", r(9).step_ms / r(4).step_ms,
+              1.02, higher=False)
     if r(7) and r(8):
         check("row 7 / row 8 step time at concurrency 1", r(7).step_ms / r(8).step_ms, 1.05, higher=False)
         out.extend(split_cost(r(7), r(8)))
@@ -445,8 +456,8 @@ def targets(results: list[Result]) -> list[str]:
         check("row 4 / row 1 tokens/s at concurrency 1", r(4).tokens_per_s / r(1).tokens_per_s, 1.0)
     if r(4, 8) and r(1, 8):
         check("row 4 / row 1 tokens/s at concurrency 8", r(4, 8).tokens_per_s / r(1, 8).tokens_per_s, 1.3)
-    for c in sorted({res.concurrency for res in results} - {1}):
-        speculative = [res for res in results if res.concurrency == c and res.row >= 5]
+    for c in sorted({res.concurrency for res in results}):
+        speculative = [res for res in results if res.concurrency == c and 5 <= res.row <= 8]
         if speculative and r(4, c):
             worst = min(speculative, key=lambda res: res.tokens_per_s)
             check(f"slowest speculative row (row {worst.row}) / row 4 tokens/s at concurrency {c}",

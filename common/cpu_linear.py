@@ -1,30 +1,29 @@
 """Linear layers on a CPU with oneDNN's prepacked weights (float32, and bfloat16 where the CPU
-has native bfloat16 dot products).
+has native bfloat16 dot products), and the kernel for each product chosen by measuring it.
 
-A verify forward multiplies K+1 rows per sequence by every weight matrix. With torch's
-default CPU path (MKL sgemm on the weight as stored) a 9-row product costs five times a
-1-row one on the demo target (57 against 11 µs for 256→768 on one core); with the weight
-reordered once into oneDNN's blocked layout it costs 2-2.5 times less from 4 rows up
-(prefills and batched decodes gain the same), 1.2-2 times less at 2 and 3 rows (384→1152:
-46 and 67 against 38 µs), and more at 1 row (26 against 39 µs). So each linear keeps its
-weight and a packed copy, and takes the packed path from `MIN_PACKED_ROWS` rows on.
-This is what torch's own inductor does when it freezes a CPU model
-(`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`).
+A verify forward multiplies K+1 rows per sequence by every weight matrix. MKL's sgemm on
+the weight as stored (`F.linear`) and oneDNN's product on a weight reordered once into its
+blocked layout (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what
+inductor does when it freezes a CPU model) win at different row counts, and where the
+line falls depends on the CPU: on an AMD EPYC the packed product won from 2 rows, on an
+Intel Xeon with AMX it lost at 2-4 rows for most demo shapes. So each linear keeps its
+weight and a packed copy, and `select_kernels` times both at every row count a product
+runs at when the model is loaded (within about a second, logged as one table per shape),
+and each layer takes the faster one per count.
 
 oneDNN JIT-compiles (and caches) one primitive per input shape, about 0.5 MB each:
 prompts of every length would keep adding them, and memory (+40 MB over a flood of mixed
 requests). So row counts past `EXACT_ROWS` are padded up to one of a few sizes (×1.5 or
 ×4/3 apart: 24, 32, 48, ..., 512), at most a third more work on a prefill; past
-`MAX_PACKED_ROWS` the product runs in chunks of that many rows; and every shape that can occur is built once,
-when the model is packed (~0.1 s, and on the demo target ~75 MB up front instead of a
-slow climb).
+`MAX_PACKED_ROWS` the product runs in chunks; and every shape that can occur is built once,
+when the model is packed.
 
 Bfloat16 layers are packed only on a CPU with native bfloat16 dot products (AVX512-BF16 or
-AMX; `native_cpu_bf16()`), where the packed product beats float32 at every row count (1 row
-384→896: 16.5 against 18.5 µs for float32's sgemm; 9 rows: 25 against 40 µs packed float32);
-elsewhere oneDNN would emulate them. Anywhere else (another dtype, another device), or where
-this torch build lacks the ops or its result disagrees with `F.linear` on a probe, models
-keep their `nn.Linear` layers.
+AMX; `native_cpu_bf16()`), and run packed at every row count: one kernel keeps each row's
+bits independent of the row count, which lossless bfloat16 needs
+(common/invariant_attention.py, which also sets how long a chunk may be). Anywhere else
+(another dtype, another device), or where this torch build lacks the ops or its result
+disagrees with `F.linear` on a probe, models keep their `nn.Linear` layers.
 """
 
 from __future__ import annotations

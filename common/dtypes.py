@@ -4,16 +4,14 @@ Both services load models (the target, a draft LM, DFlash and the target heads i
 so both read `--dtype` the same way: an explicit name wins; `auto` is the checkpoint's own
 dtype off a CPU (when it is one of these, else float32) and `cpu_dtype` on a CPU.
 
-The target's `cpu_dtype` is float32 even where the CPU multiplies bfloat16 natively and a
-bfloat16 target decodes 1.7× faster (the demo target on this project's VM): in bfloat16 a
-token's logits depend on how many rows the forward that computed them had, so greedy
-output one request at a time, in a batch, and through a verify of K+1 rows differs (2 and
-1 of 16 held-out prompts within 128 tokens; none in float32; `bench/target_dtype.py`).
-Speculative decoding is lossless only as far as a verify computes what decodes would, and
-the tests hold it token for token. Drafters take bfloat16 there
-(`draft_service/drafters/cpu_drafter_dtype`): their drafts only propose. Off a CPU `auto`
-follows the checkpoint (bfloat16 for most), as vLLM does, and the same caveat applies: a
-reduced-precision verify is lossless up to rounding, not bit for bit.
+The target's `cpu_dtype` is float32. `--dtype bfloat16` is lossless too where the CPU's
+kernels allow a batch-invariant forward (docs/design.md#lossless-in-bfloat16, checked at
+load), but on the demo target with 2 threads its decode step is slower than float32's (the
+invariant attention costs more ops, and a 1-row packed bfloat16 product costs more than
+MKL's float32 one at these sizes), while its verify is cheaper: `bench/target_dtype.py`
+measures both. Drafters take bfloat16 there (`draft_service/drafters/cpu_drafter_dtype`):
+their drafts only propose. Off a CPU `auto` follows the checkpoint (bfloat16 for most), as
+vLLM does; a reduced-precision verify there is lossless up to rounding, not bit for bit.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ def test_compare_runs_every_row(tmp_path, capsys):
     assert compare.main(["--models", str(models), "--prompts", "2", "--new-tokens", "6", "--concurrency", "1",
                          "--k", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
-    for row in range(1, 9):
+    for row in range(1, 10):
         assert f"\n| {row} | " in out
     assert "row 7 / row 8 step time" in out and "Targets:" in out
+    assert "row 9 (the split asking no drafts) / row 4 step time" in out
     assert "verify step / row 4 decode step" in out and "row 4 / row 1 tokens/s at concurrency 1" in out
     # rows 7 and 8 break the split's cost down from both processes' Propose histograms
     assert "| in drafter ms |" in out and "the split adds" in out
