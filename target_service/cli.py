@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common import defaults
 from common.attention_backends import BACKEND_CHOICES
 from common.compiled_forward import CompileConfig
 from common.cli import add_metrics_args, add_threads_arg, run_service
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="splitspec-draft address (host:port or unix:PATH); without it, no speculation")
     spec.add_argument("--internal-token-file", default=None,
                       help="file with the internal channel's shared token (else $SPLITSPEC_INTERNAL_TOKEN)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=8,
+    spec.add_argument("--num-speculative-tokens", type=int, default=defaults.NUM_SPECULATIVE_TOKENS,
                       help="the server's K; requests may ask for fewer")
     spec.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None, metavar="N",
                       help="run without drafts while N or more sequences are running (default: always draft)")
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--propose-transport", default="auto", choices=PROPOSE_TRANSPORTS,
                       help="auto: Propose over a channel in the KV pool's shm file where both services map it "
                            "(a CPU pool and a drafter that reads pages), else gRPC; grpc: always gRPC")
-    spec.add_argument("--drafter-timeout-s", type=float, default=2.0, help="per-step Propose deadline")
+    spec.add_argument("--drafter-timeout-s", type=float, default=defaults.PROPOSE_TIMEOUT_S,
+                      help="per-step Propose deadline")
     spec.add_argument("--drafter-startup-wait-s", type=float, default=30.0,
                       help="how long the first handshake may wait for the drafter")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import defaults
 from common.attention_backends import check_backend_name
 from common.compiled_forward import CompileConfig
 from common.dtypes import check_dtype_name
@@ -32,8 +33,8 @@ class EngineConfig:
     hf_cache_dir: str | None = None
     drafter: str | None = None  # address of splitspec-draft; None → no speculation
     internal_token: str | None = None  # shared token for the internal channel
-    num_speculative_tokens: int = 8  # the server's K: requests may ask for fewer; 0 → never speculate
-    drafter_timeout_s: float = 2.0  # per-step Propose deadline
+    num_speculative_tokens: int = defaults.NUM_SPECULATIVE_TOKENS  # the server's K: requests may ask fewer; 0: never
+    drafter_timeout_s: float = defaults.PROPOSE_TIMEOUT_S  # per-step Propose deadline
     drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
     speculative_disable_batch_size: int | None = None  # no drafts while this many sequences or more run
     speculative_policy: str = "adaptive"  # draft_policy.SPECULATIVE_POLICIES: adaptive (k per step) | fixed (K)

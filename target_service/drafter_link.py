@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import defaults
 from common.auth import auth_metadata
 from common.drafter_facts import DrafterFacts
 from common.grpc_errors import parse_request
@@ -54,7 +55,7 @@ class DrafterRejected(RuntimeError):
 class DrafterLinkConfig:
     address: str
     token: str
-    propose_timeout_s: float = 1.0  # the per-step deadline
+    propose_timeout_s: float = defaults.PROPOSE_TIMEOUT_S  # the per-step deadline
     handshake_timeout_s: float = 10.0  # the first handshake, at startup
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0

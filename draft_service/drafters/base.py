@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import defaults
 from common.attention_backends import select_backend
 from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
 from common.pool_transport import TorchBuild, sync_for_handoff
 
 KINDS = ("dflash", "draft_model", "ngram")
-DEFAULT_NUM_SPECULATIVE_TOKENS = 8
+DEFAULT_NUM_SPECULATIVE_TOKENS = defaults.NUM_SPECULATIVE_TOKENS
 WARMUP_CONTEXT = 3  # context tokens of the scratch sequence a warm-up drafts for
 
 log = logging.getLogger(__name__)

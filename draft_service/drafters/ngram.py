@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.kv_layout import CacheConfig
-from draft_service.drafters.base import Drafter, ProposeItem
+from draft_service.drafters.base import DEFAULT_NUM_SPECULATIVE_TOKENS, Drafter, ProposeItem
 
 
 def ngram_lookup(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
@@ -24,7 +24,7 @@ class NgramDrafter(Drafter):
     kind = "ngram"
 
     def __init__(
-        self, cache_config: CacheConfig, num_speculative_tokens: int = 8, min_n: int = 1, max_n: int = 4
+        self, cache_config: CacheConfig, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, min_n: int = 1, max_n: int = 4
     ) -> None:
         super().__init__(cache_config, "cpu", num_speculative_tokens)
         if not 1 <= min_n <= max_n:
