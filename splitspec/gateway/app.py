@@ -8,6 +8,7 @@ away cancels the call, which aborts the request on the target and frees its page
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from splitspec.gateway import convert
 from splitspec.gateway.config import GatewayConfig
 from splitspec.gateway.errors import OpenAIError, from_rpc_error
+from splitspec.gateway.memory import HeapTrimmer
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import (
     AssistantMessage,
@@ -67,6 +69,7 @@ class Gateway:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     target: TargetClient | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    answered: int = 0  # HTTP responses started (the heap trimmer's sign of activity)
 
     def client(self) -> TargetClient:
         if self.target is None:
@@ -121,6 +124,24 @@ async def parse(request: Request, model: type[pydantic.BaseModel], config: Gatew
 
 
 # ---------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a route keeps of a parsed request once it is a GenerateRequest: parsed and
+    converted with no await in between, so one request's Python objects (300,000 ints for
+    a prompt of token ids) are alive at a time however many wait on the target."""
+
+    model: str
+    request: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+    aliases: dict[str, str]
+
+    @classmethod
+    def of(cls, req: CompletionRequest | ChatCompletionRequest, request: pb.GenerateRequest) -> Plan:
+        include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
+        return cls(req.model, request, req.stream, include_usage, param_aliases(req))
 
 
 @dataclass
@@ -372,6 +393,7 @@ def _record_status(gateway: Gateway):
                 nonlocal started
                 if message["type"] == "http.response.start":
                     started = True
+                    gateway.answered += 1
                     gateway.metrics.requests.labels(endpoint, str(message["status"])).inc()
                 await send(message)
 
@@ -399,9 +421,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gateway.target = TargetClient(config.target, config.tls_ca, config.max_message_bytes)
+        trimmer = asyncio.create_task(HeapTrimmer(lambda: gateway.answered, config.trim_interval_s).run())
         try:
             yield
         finally:
+            trimmer.cancel()
             await gateway.target.close()
 
     app = FastAPI(title="splitspec-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -432,13 +456,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         req = await parse(request, CompletionRequest, config)
         if (found := check_completion(req)) is not None:
             raise found
-        model = await check_model(gateway, req.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = await start(gateway, COMPLETIONS, request_id, model, convert.completion_request(req, request_id),
-                          arrival, param_aliases(req))
-        if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return respond_stream(gen, completion_events(gen, include_usage))
+        plan = Plan.of(req, convert.completion_request(req, request_id))
+        del req  # a prompt of token ids is 28 bytes a Python int: keep only the protobuf's 4 a token
+        gen = await start(gateway, COMPLETIONS, request_id, await check_model(gateway, plan.model), plan.request,
+                          arrival, plan.aliases)
+        if plan.stream:
+            return respond_stream(gen, completion_events(gen, plan.include_usage))
         return await respond_whole(request, gen, completion_body)
 
     @app.post(CHAT)
@@ -447,13 +471,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         req = await parse(request, ChatCompletionRequest, config)
         if (found := check_chat(req)) is not None:
             raise found
-        model = await check_model(gateway, req.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = await start(gateway, CHAT, request_id, model, convert.chat_request(req, request_id), arrival,
-                          param_aliases(req))
-        if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return respond_stream(gen, chat_events(gen, include_usage))
+        plan = Plan.of(req, convert.chat_request(req, request_id))
+        del req
+        gen = await start(gateway, CHAT, request_id, await check_model(gateway, plan.model), plan.request, arrival,
+                          plan.aliases)
+        if plan.stream:
+            return respond_stream(gen, chat_events(gen, plan.include_usage))
         return await respond_whole(request, gen, chat_body)
 
     @app.get("/v1/models")

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=0.0,
                    help="deadline of a generation on the target (0: none); past it the request is aborted and "
                         "answered 504 (a stream ends with an error event)")
+    p.add_argument("--trim-interval-s", type=float, default=10.0,
+                   help="every this many seconds in which requests were answered, give the heap freed since back "
+                        "to the OS (malloc_trim; 0: never)")
     add_log_level(p)
     return p
 
@@ -53,7 +56,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_message_bytes=args.max_message_bytes, health_timeout_s=args.health_timeout_s,
                          shutdown_grace_s=args.shutdown_grace_s, header_timeout_s=args.header_timeout_s,
                          body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
-                         request_timeout_s=args.request_timeout_s, log_level=args.log_level)
+                         request_timeout_s=args.request_timeout_s, trim_interval_s=args.trim_interval_s,
+                         log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ class GatewayConfig:
     body_timeout_s: float = 30.0  # a request's body must arrive within this once its headers did (else 408)
     max_connections: int = 2048  # open HTTP connections; past it a new one gets 503 and is closed
     request_timeout_s: float = 0.0  # a generation's deadline on the target (0: none); past it 504
+    trim_interval_s: float = 10.0  # give freed heap back to the OS this often while busy (0: never)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -32,7 +33,7 @@ class GatewayConfig:
         for name in ("max_body_bytes", "max_message_bytes", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("health_timeout_s", "shutdown_grace_s", "request_timeout_s"):
+        for name in ("health_timeout_s", "shutdown_grace_s", "request_timeout_s", "trim_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s"):

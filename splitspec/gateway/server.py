@@ -17,6 +17,7 @@ import uvicorn
 from splitspec.gateway.app import create_app
 from splitspec.gateway.config import GatewayConfig
 from splitspec.gateway.http_protocol import guarded_protocol
+from splitspec.gateway.memory import fix_mmap_threshold
 
 log = logging.getLogger("splitspec.gateway")
 
@@ -40,6 +41,7 @@ def _drained(signum, frame) -> None:
 
 async def serve(config: GatewayConfig) -> int:
     sock = bind(config.host, config.port)
+    fix_mmap_threshold()
     app = create_app(config)
     requests = app.state.gateway.metrics.requests
 

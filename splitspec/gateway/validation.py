@@ -29,7 +29,12 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
 def sent(value: Any) -> str:
-    """A value as the client sent it (JSON), shortened."""
+    """A value as the client sent it (JSON), shortened (a long list or object by its size:
+    never the work of dumping 10,000 messages to quote 80 characters of them)."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"{'an array' if isinstance(value, list) else 'an object'} of {len(value)} items"
+    if isinstance(value, str) and len(value) > SENT_CHARS:
+        value = value[:SENT_CHARS]
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
