@@ -58,6 +58,8 @@ class PromptTokenizer:
                              "text can be tokenized without reading special tokens in it")
         self._plain = Tokenizer.from_str(backend.to_str())
         self._plain.encode_special_tokens = True
+        self._plain.no_truncation()  # as transformers calls it: a prompt is never cut short
+        self._plain.no_padding()
         added = self.tokenizer.added_tokens_decoder.values()
         self._specials = tuple(sorted({t.content for t in added if t.special}, key=len, reverse=True))
 
