@@ -27,7 +27,7 @@ from target_service.page_manager import PageManager
 from target_service.sampling import SamplingSpec, make_generator
 from target_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
-from target_service.speculation import Speculator
+from target_service.speculation import NoSpeculation, Speculator, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +54,16 @@ class EngineCore:
         self.shared = shared
         self.model_info = model_info
         self.page_manager = PageManager(shared.layout.num_pages, shared.layout.page_size)
+        self.speculator: Speculator | NoSpeculation = (
+            Speculator(shared, config.num_speculative_tokens, model_info.max_model_len, model_info.vocab_size,
+                       runner.device, config.speculative_disable_batch_size, config.max_num_batched_tokens,
+                       DraftPolicy(config.num_speculative_tokens, adaptive=config.speculative_policy == "adaptive"))
+            if shared.link is not None else NoSpeculation())
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_info.max_model_len),
             self.page_manager,
+            lookahead=lambda running: self.speculator.lookahead(running, self.metrics),  # draft slots, asked each step
         )
-        self.speculator = (Speculator(shared, config.num_speculative_tokens, model_info.max_model_len,
-                                      model_info.vocab_size, runner.device, config.speculative_disable_batch_size,
-                                      config.max_num_batched_tokens,
-                                      DraftPolicy(config.num_speculative_tokens,
-                                                  adaptive=config.speculative_policy == "adaptive"))
-                           if shared.link is not None else None)
         self._tracked: dict[str, _Tracked] = {}
         self._next_seq_id = 0
         self.metrics = TargetMetrics()  # what Prometheus reads; warmup swaps in a throwaway one
@@ -118,22 +118,19 @@ class EngineCore:
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
-        if self.speculator is not None:
-            self.speculator.release(seq)
+        self.speculator.release(seq)
 
     # --- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, propose, run (prefill + decode + verify), accept, emit."""
-        spec = self.speculator
-        if spec is not None and spec.link.due_for_handshake():
-            self.handshake()
-        plan = self.scheduler.schedule(spec.lookahead(self.scheduler.running, self.metrics) if spec else None)
-        self._note_preempted(plan.preempted)
+        """Schedule (with draft slots), propose, run (prefill + decode + verify), accept, emit."""
+        self._handshake_if_due()
+        plan = self.scheduler.schedule()
+        self.metrics.preemptions.inc(len(plan.preempted))
+        drafts = self.speculator.before_forward(plan, self.metrics)
         if plan.is_empty:
             return []
         self._note_first_scheduling(plan.scheduled)
-        drafts = self._propose(plan.scheduled)
         tracked = [self._tracked[s.seq.request_id] for s in plan.scheduled if s.samples]
         started = time.perf_counter()
         emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
@@ -141,26 +138,13 @@ class EngineCore:
         seconds = time.perf_counter() - started
         prefilled = any(s.num_query_tokens > 1 for s in plan.scheduled)
         self.metrics.observe_forward(seconds, verified=bool(drafts), prefilled=prefilled)
-        if spec is not None and not prefilled:
-            # The policy prices decode and verify steps only: a prefill chunk's tokens cost less
-            # each (no logits, one sequence), and would make wide verifies look cheap.
-            query_tokens = sum(s.num_query_tokens for s in plan.scheduled) + sum(map(len, drafts.values()))
-            spec.policy.record_forward(len(plan.scheduled), query_tokens, seconds)
         computed_before = self._advance(plan.scheduled)
-        if spec is not None and spec.link.ready:
-            spec.record_acceptance(plan.scheduled, {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted)
-                                                    if drafts.get(t.seq.seq_id)})
+        accepted = {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted) if drafts.get(t.seq.seq_id)}
         outputs = [out for t, tokens in zip(tracked, emitted)
                    if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
-        if spec is not None:
-            spec.record_step(plan.scheduled, drafts, computed_before, row_starts)
+        self.speculator.after_forward(StepRecord(plan.scheduled, drafts, accepted, computed_before, row_starts,
+                                                 seconds, prefilled))
         return outputs
-
-    def _note_preempted(self, preempted: list[Sequence]) -> None:
-        if self.speculator is not None:
-            for seq in preempted:
-                self.speculator.release(seq)
-        self.metrics.preemptions.inc(len(preempted))
 
     def _note_first_scheduling(self, scheduled: list[ScheduledSeq]) -> None:
         now = time.monotonic()
@@ -168,15 +152,6 @@ class EngineCore:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
                 self.metrics.on_scheduled(s.seq, now)
-
-    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
-        """Drafts by seq id; none when there is no drafter, or when it failed this step."""
-        if self.speculator is None:
-            return {}
-        drafts = self.speculator.propose(scheduled, self.metrics)
-        if not self.speculator.link.ready:
-            self.metrics.fallback_steps.inc()
-        return drafts
 
     @staticmethod
     def _advance(scheduled: list[ScheduledSeq]) -> list[int]:
@@ -244,6 +219,11 @@ class EngineCore:
 
     # --- the drafter handshake (handshake.py) ---------------------------------------------
 
+    def _handshake_if_due(self) -> None:
+        """A drafter that came back (or a first one) is negotiated with before the step is scheduled."""
+        if self.speculator.due_for_handshake():
+            self.handshake()
+
     def handshake(self) -> bool:
         """Negotiate and attach; a pool without the drafter's layers is re-planned, when idle."""
         outcome = self.shared.handshake(may_replan=not self.scheduler.has_work)
@@ -281,8 +261,7 @@ class EngineCore:
                 self.step()
         finally:
             self.metrics = served
-            if self.speculator is not None:  # warmup's first calls pay one-time costs: not a measure
-                self.speculator.policy.forget_measurements()
+            self.speculator.forget_measurements()
 
     def close(self) -> None:
         self.runner.forward.close()

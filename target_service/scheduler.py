@@ -9,6 +9,7 @@ returns to the front of the queue to be recomputed (prompt + what it generated).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from target_service.page_manager import PageManager
@@ -56,10 +57,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+Lookahead = Callable[[list[Sequence]], dict[int, int]]  # running sequences → draft slots by seq id
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, page_manager: PageManager) -> None:
+    def __init__(self, config: SchedulerConfig, page_manager: PageManager, lookahead: Lookahead | None = None) -> None:
         self.config = config
         self.page_manager = page_manager
+        self.lookahead = lookahead  # asked each step when `schedule` is given no slots (speculation's)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -87,7 +92,10 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self, lookahead: dict[int, int] | None = None) -> SchedulerOutput:
-        """Pick this step's work. `lookahead[seq_id]` asks for draft slots after a decode."""
+        """Pick this step's work. `lookahead[seq_id]` asks for draft slots after a decode (by
+        default, what the `lookahead` provider says for the running sequences)."""
+        if lookahead is None and self.lookahead is not None:
+            lookahead = self.lookahead(self.running)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget, lookahead or {})

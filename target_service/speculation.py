@@ -25,12 +25,47 @@ from target_service.draft_policy import Decision, DraftPolicy
 from target_service.drafter_link import DrafterLink, describe_rpc_error
 from target_service.handshake import SharedPool
 from target_service.metrics import TargetMetrics
-from target_service.scheduler import ScheduledSeq
+from target_service.scheduler import ScheduledSeq, SchedulerOutput
 from target_service.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 MAX_DEFERRED_RELEASES = 256  # released sequence ids that may wait for the next Propose
+
+
+@dataclass
+class StepRecord:
+    """What one forward did, as speculation learns from it (`after_forward`)."""
+
+    scheduled: list[ScheduledSeq]
+    drafts: dict[int, list[int]]  # seq id → the drafts the forward verified
+    accepted: dict[int, int]  # seq id → how many of them were accepted
+    computed_before: list[int]  # per scheduled sequence, its computed tokens before the step
+    row_starts: list[int]  # per scheduled sequence, its first row of the forward (its staging row)
+    seconds: float
+    prefilled: bool  # a prefill chunk was in it (the policy prices decode and verify steps only)
+
+
+class NoSpeculation:
+    """The engine's speculation when it has no drafter: every step decodes."""
+
+    def due_for_handshake(self) -> bool:
+        return False
+
+    def lookahead(self, running: list[Sequence], metrics: TargetMetrics) -> dict[int, int]:
+        return {}
+
+    def before_forward(self, plan: SchedulerOutput, metrics: TargetMetrics) -> dict[int, list[int]]:
+        return {}
+
+    def after_forward(self, record: StepRecord) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def forget_measurements(self) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -290,6 +325,40 @@ class Speculator:
             else:
                 self.policy.record_propose(positions, elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
+
+    # --- the two calls of a step -------------------------------------------------------------
+
+    def due_for_handshake(self) -> bool:
+        return self.link.due_for_handshake()
+
+    def before_forward(self, plan: SchedulerOutput, metrics: TargetMetrics) -> dict[int, list[int]]:
+        """Forget the preempted sequences, then one batched Propose for what was scheduled:
+        the drafts by seq id (none when the drafter failed this step, which is counted)."""
+        for seq in plan.preempted:
+            self.release(seq)
+        if plan.is_empty:
+            return {}
+        drafts = self.propose(plan.scheduled, metrics)
+        if not self.link.ready:
+            metrics.fallback_steps.inc()
+        return drafts
+
+    def after_forward(self, record: StepRecord) -> None:
+        """What the step taught the policy (its cost, its acceptance), and each followed
+        sequence's new context queued for the next Propose."""
+        scheduled = record.scheduled
+        if not record.prefilled:
+            # A prefill chunk's tokens cost less each (no logits, one sequence), and would make
+            # wide verifies look cheap.
+            query_tokens = sum(s.num_query_tokens for s in scheduled) + sum(map(len, record.drafts.values()))
+            self.policy.record_forward(len(scheduled), query_tokens, record.seconds)
+        if self.link.ready:
+            self.record_acceptance(scheduled, record.accepted)
+        self.record_step(scheduled, record.drafts, record.computed_before, record.row_starts)
+
+    def forget_measurements(self) -> None:
+        """Warmup's first calls pay one-time costs: not a measure."""
+        self.policy.forget_measurements()
 
     def record_acceptance(self, scheduled: list[ScheduledSeq], accepted: dict[int, int]) -> None:
         """What the policy learns from a step: every sequence asked for k drafts, with the drafts
