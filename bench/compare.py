@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from common.compiled_forward import CompileConfig  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
+from common.cpu_linear import describe_kernels  # noqa: E402
 from common.kv_layout import CacheConfig  # noqa: E402
 from draft_service.drafters import DrafterConfig  # noqa: E402
 from draft_service.local import LocalDrafterStub  # noqa: E402
@@ -327,8 +328,10 @@ def _chosen_note(mean_k: float | None, zero_share: float | None, probe_share: fl
 
 
 def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
-                   repeat: int, tmp: str, policy: str = "adaptive", compile_steps: bool = False) -> list[Result]:
-    """Rows 4-9, every engine (and drafter process) up at once and measured in turns."""
+                   repeat: int, tmp: str, policy: str = "adaptive",
+                   compile_steps: bool = False) -> tuple[list[Result], list[str]]:
+    """Rows 4-9, every engine (and drafter process) up at once and measured in turns; and the
+    CPU linear kernels row 4's target chose at load (common/cpu_linear.py)."""
     token = secrets.token_hex(16)
     rows: list[EngineRow] = []
     drafters: list[DrafterProcess] = []
@@ -336,6 +339,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
         core = build_engine_core(engine_config(models, tmp, k, compile_steps=compile_steps))
         core.warmup()
         rows.append(EngineRow(4, "splitspec, target only", core))
+        kernels = describe_kernels(core.model)
         for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
             drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp, compile_steps)
             drafters.append(drafter)
@@ -352,7 +356,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
         for c in sorted({*levels, 16}):
             measured = rows if c in levels else rows[:1]  # row 4 at 16 always: the ratios' baseline
             results += measure_interleaved(measured, prompts, new_tokens, c, repeat)
-        return results
+        return results, kernels
     finally:
         for core in {id(r.core): r.core for r in rows}.values():  # row 9 is row 7's engine
             core.close()
@@ -388,7 +392,7 @@ def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
 # ---------------------------------------------------------------- report
 
 
-def table(results: list[Result], args: argparse.Namespace) -> str:
+def table(results: list[Result], args: argparse.Namespace, kernels: list[str] = ()) -> str:
     base = {(r.row, r.concurrency): r.tokens_per_s for r in results}
     lines = [
         f"Measured {date.today()} on {read_cpu_info().describe()}, torch {torch.__version__}, "
@@ -410,6 +414,9 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
                      f"| {_fmt(r.step_ms, '.1f')} | {_fmt(r.verify_ms, '.1f')} | {_fmt(r.propose_ms, '.2f')} "
                      f"| {_fmt(r.drafter_ms, '.2f')} "
                      f"| {r.note} |")
+    if kernels:
+        lines += ["", "CPU linear kernels row 4's target chose at load, by shape and row count: "
+                  + "; ".join(f"`{k}`" for k in kernels)]
     lines += ["", *targets(results)]
     return "\n".join(lines) + "\n"
 
@@ -512,9 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = tuple(int(c) for c in args.concurrency.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         results = reference_rows(args.models, prompts, args.new_tokens, levels, args.repeat, tokenizer)
-        results += splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, args.repeat, tmp,
-                                  args.speculative_policy, args.compile)
-    text = table(results, args)
+        rows, kernels = splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, args.repeat, tmp,
+                                       args.speculative_policy, args.compile)
+    results += rows
+    text = table(results, args, kernels)
     print(text)
     if args.write_readme:
         command = ".venv/bin/python bench/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])

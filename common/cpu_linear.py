@@ -210,12 +210,21 @@ class KernelChoice:
         return frozenset(rows for rows, us in self.plain_us.items() if us < self.packed_us.get(rows, float("inf")))
 
     def describe(self) -> str:
-        """`384->768: F.linear at 1-3, 24; packed at 4-16, 32-512`"""
-        plain = self.plain_rows
-        ranges = {kind: _ranges([r for r in sorted(self.packed_us) if (r in plain) == (kind == "F.linear")])
-                  for kind in ("F.linear", "packed")}
-        return f"{self.in_features}->{self.out_features}: " + "; ".join(
-            f"{kind} at {text}" for kind, text in ranges.items() if text)
+        return describe_rows(self.in_features, self.out_features, self.plain_rows, sorted(self.packed_us))
+
+
+def describe_rows(in_features: int, out_features: int, plain_rows: frozenset[int], counts: list[int]) -> str:
+    """`384->768: F.linear at 1-3, 24; packed at 4-16, 32-512`"""
+    ranges = {kind: _ranges([r for r in counts if (r in plain_rows) == (kind == "F.linear")])
+              for kind in ("F.linear", "packed")}
+    return f"{in_features}->{out_features}: " + "; ".join(f"{kind} at {text}" for kind, text in ranges.items() if text)
+
+
+def describe_kernels(model: nn.Module) -> list[str]:
+    """The kernel each packed layer shape of `model` runs at each row count, one line per shape."""
+    shapes = {(m.in_features, m.out_features, m.weight.dtype): m for m in model.modules() if isinstance(m, PackedLinear)}
+    return [f"{describe_rows(i, o, layer.plain_rows, packed_row_counts())} ({str(dtype).removeprefix('torch.')})"
+            for (i, o, dtype), layer in shapes.items()]
 
 
 def _ranges(rows: list[int]) -> str:

@@ -27,6 +27,7 @@ def test_compare_runs_every_row(tmp_path, capsys):
         assert f"\n| {row} | " in out
     assert "row 7 / row 8 step time" in out and "Targets:" in out
     assert "row 9 (the split asking no drafts) / row 4 step time" in out
+    assert "CPU linear kernels row 4's target chose at load" in out and "->" in out
     assert "verify step / row 4 decode step" in out and "row 4 / row 1 tokens/s at concurrency 1" in out
     # rows 7 and 8 break the split's cost down from both processes' Propose histograms
     assert "| in drafter ms |" in out and "the split adds" in out
