@@ -105,7 +105,7 @@ class Up:
     def __init__(self, config: ChaosConfig, shm: Path, log_path: Path, extra: tuple[str, ...] = ()) -> None:
         self.log_path = log_path
         args = ["--drafter", config.drafter, "--models", str(config.models), "--port", "0", "--draft-port", "0",
-                "--gateway-port", "0", "--shm-dir", str(shm), "--speculative-policy", "fixed",
+                "--gateway-port", "0", "--metrics-port", "0", "--draft-metrics-port", "0", "--shm-dir", str(shm), "--speculative-policy", "fixed",
                 "--max-restarts", "1000", "--startup-timeout", str(config.startup_timeout_s), *extra]
         env = {k: v for k, v in os.environ.items() if k != "SPLITSPEC_INTERNAL_TOKEN"} | {"PYTHONUNBUFFERED": "1"}
         with open(log_path, "wb") as log:

@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=50051, help="the target's public port (0: any free port)")
     p.add_argument("--draft-port", type=int, default=50061, help="the drafter's port on 127.0.0.1 (0: any)")
     p.add_argument("--gateway-port", type=int, default=8000, help="the OpenAI HTTP port, on --host (0: any)")
+    p.add_argument("--metrics-port", type=int, default=9400, help="the target's Prometheus port (0: any)")
+    p.add_argument("--draft-metrics-port", type=int, default=9401, help="the drafter's Prometheus port (0: any)")
     p.add_argument("--no-gateway", action="store_true", help="do not start splitspec-gateway")
     p.add_argument("--served-model-name", default="splitspec-demo", help="the model name OpenAI clients pass")
     p.add_argument("--num-speculative-tokens", type=int, default=8, help="K: draft tokens per step")
@@ -159,13 +161,17 @@ class Child:
         """Notice an exit and schedule a restart, or restart once the backoff is over;
         UpError when the service is in a crash loop."""
         if self.restart_at is not None:
-            if now >= self.restart_at:
-                self.restart_at = None
-                self.spawn()
-                say(f"splitspec up: {self.name} restarted (pid {self.proc.pid})")
-            return
-        if self.running():
-            return
+            self._restart_when_due(now, say)
+        elif not self.running():
+            self._schedule_restart(now, policy, say)
+
+    def _restart_when_due(self, now: float, say) -> None:
+        if now >= self.restart_at:
+            self.restart_at = None
+            self.spawn()
+            say(f"splitspec up: {self.name} restarted (pid {self.proc.pid})")
+
+    def _schedule_restart(self, now: float, policy: RestartPolicy, say) -> None:
         self.pump.join(timeout=2)  # its last lines, read to the end of its output
         self.exits.append(now)
         while self.exits and self.exits[0] < now - policy.window_s:
@@ -269,7 +275,7 @@ def drafter_args(args: argparse.Namespace, target_dir: Path, draft_dir: Path | N
     model = ["--model", str(draft_dir)] if draft_dir is not None else []
     return ["--kind", args.drafter, *model, "--target-model", str(target_dir), "--host", "127.0.0.1",
             "--port", str(port), "--num-speculative-tokens", str(args.num_speculative_tokens),
-            "--shm-dir", args.shm_dir, "--log-level", args.log_level]
+            "--shm-dir", args.shm_dir, "--metrics-port", str(args.draft_metrics_port), "--log-level", args.log_level]
 
 
 def target_args(args: argparse.Namespace, target_dir: Path, drafter_address: str | None, port: int) -> list[str]:
@@ -278,7 +284,8 @@ def target_args(args: argparse.Namespace, target_dir: Path, drafter_address: str
                "--drafter-timeout-s", str(args.drafter_timeout_s)] if drafter_address else []
     return ["--model", str(target_dir), "--host", args.host, "--port", str(port), *drafter,
             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-dtype", args.kv_cache_dtype,
-            "--shm-dir", args.shm_dir, "--shutdown-grace-s", "5", "--log-level", args.log_level]
+            "--shm-dir", args.shm_dir, "--metrics-port", str(args.metrics_port), "--shutdown-grace-s", "5",
+            "--log-level", args.log_level]
 
 
 def gateway_args(args: argparse.Namespace, target_address: str, port: int) -> list[str]:
