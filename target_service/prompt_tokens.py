@@ -67,11 +67,16 @@ class PromptTokenizer:
         """A text prompt's ids (with the tokenizer's BOS etc. as it adds them)."""
         if parse_special_tokens:
             return tuple(self.tokenizer.encode(text))
-        return tuple(self._plain.encode(text, add_special_tokens=True).ids)
+        return tuple(self._encode(text, add_special_tokens=True))
 
     def plain(self, text: str) -> list[int]:
         """Ids of text as plain text, nothing added."""
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+        return self._encode(text, add_special_tokens=False) if text else []
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while it tokenizes (encode does not): the other
+        # streams go on meanwhile, as with transformers' own call
+        return self._plain.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def template_text(self, text: str) -> list[int]:
         """Ids of text the chat template wrote (its special tokens are special)."""
