@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
     p.add_argument("--header-timeout-s", type=float, default=10.0,
-                   help="a request's headers must arrive within this many seconds of the connection (or of the "
-                        "previous response); else 408 and the connection is closed")
+                   help="a request's headers must arrive within this many seconds of the connection (or of the first "
+                        "byte of a keep-alive connection's next request); else 408 and the connection is closed")
     p.add_argument("--body-timeout-s", type=float, default=30.0,
                    help="a request's body must arrive within this many seconds of its headers; else 408 and the "
                         "connection is closed")
