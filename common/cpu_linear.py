@@ -28,6 +28,7 @@ disagrees with `F.linear` on a probe, models keep their `nn.Linear` layers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -183,22 +184,30 @@ def invariant_chunk_rows(layer: PackedLinear) -> int | None:
 
 
 Timer = Callable[[str, int, Callable[[], object]], float]  # (kernel, rows, call) → seconds per call
+SHAPE_BUDGET_S = 0.2  # timing one shape at every row count stops here (a model has 4-7 shapes)
+KERNELS = ("F.linear", "packed")
 
 
-def time_call(call: Callable[[], object], repeat: int = 5) -> float:
-    """The median of `repeat` timed calls after a warm one."""
-    call()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+def time_pair(calls: dict[str, Callable[[], object]], repeat: int = 5) -> dict[str, float]:
+    """Seconds per call of each candidate: the least of `repeat` timed calls, taken in turns after a
+    warm one. Another process's work only ever adds time, so the least is the closest to the
+    kernel's own cost, and taking turns spreads a busy moment over both."""
+    for call in calls.values():
         call()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeat):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 @dataclass
 class KernelChoice:
-    """What `select_kernels` measured for one float32 layer shape, in µs per product by row count."""
+    """What was measured for one float32 layer shape, in µs per product by row count, and the
+    kernel each row count runs: the faster one where timed, the last timed count's choice past
+    the budget (the default rule, F.linear for 1 row and packed from 2, if none was)."""
 
     in_features: int
     out_features: int
@@ -207,16 +216,21 @@ class KernelChoice:
 
     @property
     def plain_rows(self) -> frozenset[int]:
-        return frozenset(rows for rows, us in self.plain_us.items() if us < self.packed_us.get(rows, float("inf")))
+        plain, previous = set(), None
+        for rows in packed_row_counts():
+            if rows in self.plain_us and rows in self.packed_us:
+                previous = self.plain_us[rows] < self.packed_us[rows]
+            if (rows < MIN_PACKED_ROWS) if previous is None else previous:
+                plain.add(rows)
+        return frozenset(plain)
 
     def describe(self) -> str:
-        return describe_rows(self.in_features, self.out_features, self.plain_rows, sorted(self.packed_us))
+        return describe_rows(self.in_features, self.out_features, self.plain_rows, packed_row_counts())
 
 
 def describe_rows(in_features: int, out_features: int, plain_rows: frozenset[int], counts: list[int]) -> str:
     """`384->768: F.linear at 1-3, 24; packed at 4-16, 32-512`"""
-    ranges = {kind: _ranges([r for r in counts if (r in plain_rows) == (kind == "F.linear")])
-              for kind in ("F.linear", "packed")}
+    ranges = {kind: _ranges([r for r in counts if (r in plain_rows) == (kind == "F.linear")]) for kind in KERNELS}
     return f"{in_features}->{out_features}: " + "; ".join(f"{kind} at {text}" for kind, text in ranges.items() if text)
 
 
@@ -238,36 +252,57 @@ def _ranges(rows: list[int]) -> str:
     return ", ".join(str(p[0]) if len(p) == 1 else f"{p[0]}-{p[-1]}" for p in parts)
 
 
-def select_kernels(layers: list[PackedLinear], timer: Timer | None = None, budget_s: float = 1.0) -> list[KernelChoice]:
-    """For each float32 layer shape, time `F.linear` against the packed product at every row count
-    a product runs at, and give each layer of that shape the faster one per count.
+def measure_shape(layer: PackedLinear, timer: Timer | None = None, budget_s: float = SHAPE_BUDGET_S) -> KernelChoice:
+    """Time `F.linear` against the packed product for this layer's shape at every row count a
+    product runs at, in order of use (1 row, the verify and batch sizes, then prefill chunks)
+    until `budget_s` is spent."""
+    choice = KernelChoice(layer.in_features, layer.out_features)
+    x = torch.randn(MAX_PACKED_ROWS, layer.in_features, generator=torch.Generator().manual_seed(0))  # [R, in]
+    deadline = time.perf_counter() + budget_s
+    with torch.inference_mode():
+        for rows in packed_row_counts():
+            if time.perf_counter() > deadline:
+                break
+            flat = x[:rows]
+            calls = {"F.linear": lambda: F.linear(flat, layer.weight, layer.bias),
+                     "packed": lambda: layer._packed_product(flat)}
+            if timer is None:
+                seconds = time_pair(calls)
+            else:
+                seconds = {name: timer(name, rows, call) for name, call in calls.items()}
+            choice.plain_us[rows], choice.packed_us[rows] = 1e6 * seconds["F.linear"], 1e6 * seconds["packed"]
+    return choice
+
+
+@functools.cache
+def _measured(in_features: int, out_features: int, bias: bool, threads: int) -> KernelChoice:
+    """One measurement per shape and thread count in a process, whatever loads it (the target, an
+    in-process drafter, the engines of a benchmark): the same machine gives the same answer, and
+    a model loaded beside a busy one is not misled by it."""
+    return measure_shape(PackedLinear(nn.Linear(in_features, out_features, bias=bias)))
+
+
+def select_kernels(layers: list[PackedLinear], timer: Timer | None = None,
+                   budget_s: float = SHAPE_BUDGET_S) -> list[KernelChoice]:
+    """For each float32 layer shape, the faster of `F.linear` and the packed product at every row
+    count (`measure_shape`), given to each layer of that shape.
 
     Which wins depends on the CPU, not only the shape (on one Xeon the packed product lost at
-    2-4 rows where on an EPYC it won from 2): so it is measured at load. Counts are timed in
-    order of use (1 row, then the verify and batch sizes, then prefill chunks) within `budget_s`
-    in all; a count left untimed keeps the packed product, which wins the long products."""
-    measure = timer or (lambda kernel, rows, call: time_call(call))
+    2-4 rows where on an EPYC it won from 2): so it is measured at load, once per shape in a
+    process (an injected `timer` measures afresh)."""
     shapes: dict[tuple, list[PackedLinear]] = {}
     for layer in layers:
         if layer.weight.dtype == torch.float32:
             shapes.setdefault((layer.in_features, layer.out_features, layer.bias is not None), []).append(layer)
-    deadline = time.perf_counter() + budget_s
-    generator = torch.Generator().manual_seed(0)
     choices = []
-    with torch.inference_mode():
-        for same in shapes.values():
-            layer = same[0]
-            choice = KernelChoice(layer.in_features, layer.out_features)
-            x = torch.randn(MAX_PACKED_ROWS, layer.in_features, generator=generator)  # [R, in]
-            for rows in packed_row_counts():
-                if time.perf_counter() > deadline:
-                    break
-                flat = x[:rows]
-                choice.plain_us[rows] = 1e6 * measure("F.linear", rows, lambda: F.linear(flat, layer.weight, layer.bias))
-                choice.packed_us[rows] = 1e6 * measure("packed", rows, lambda: layer._packed_product(flat))
-            for each in same:
-                each.plain_rows = choice.plain_rows
-            choices.append(choice)
+    for (in_features, out_features, bias), same in shapes.items():
+        if timer is None:
+            choice = _measured(in_features, out_features, bias, torch.get_num_threads())
+        else:
+            choice = measure_shape(same[0], timer, budget_s)
+        for layer in same:
+            layer.plain_rows = choice.plain_rows
+        choices.append(choice)
     return choices
 
 
