@@ -37,6 +37,7 @@ from pathlib import Path
 
 import grpc
 
+import splitspec.contract as defaults
 from splitspec.cli_args import PARENT_PID_ENV
 from splitspec.contract import TOKEN_ENV
 from splitspec.net import free_port
@@ -67,10 +68,12 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-metrics-port", type=int, default=9401, help="the drafter's Prometheus port (0: any)")
     p.add_argument("--no-gateway", action="store_true", help="do not start splitspec-gateway")
     p.add_argument("--served-model-name", default="splitspec-demo", help="the model name OpenAI clients pass")
-    p.add_argument("--num-speculative-tokens", type=int, default=8, help="K: draft tokens per step")
-    p.add_argument("--speculative-policy", default="adaptive", choices=("adaptive", "fixed"),
+    p.add_argument("--num-speculative-tokens", type=int, default=defaults.NUM_SPECULATIVE_TOKENS,
+                   help="K: draft tokens per step")
+    p.add_argument("--speculative-policy", default=defaults.SPECULATIVE_POLICY, choices=defaults.SPECULATIVE_POLICIES,
                    help="drafts per step: adaptive (0..K, what pays) or fixed (always K)")
-    p.add_argument("--drafter-timeout-s", type=float, default=5.0, help="per-step Propose deadline")
+    p.add_argument("--drafter-timeout-s", type=float, default=defaults.PROPOSE_TIMEOUT_S,
+                   help="per-step Propose deadline")
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences in a running batch (sizes the KV pool)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV page dtype (auto: float32 on CPU; or fp8)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where the shared KV pool file lives")

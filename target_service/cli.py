@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import defaults
+import splitspec.contract as defaults
 from common.attention_backends import BACKEND_CHOICES
-from common.compiled_forward import CompileConfig
 from common.cli import add_metrics_args, add_threads_arg, run_service
+from common.compiled_forward import CompileConfig
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES, ORDERS, CacheConfig
 from splitspec.cli_args import HelpFormatter, add_log_level, fraction, parse_bytes, positive_int
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the server's K; requests may ask for fewer")
     spec.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None, metavar="N",
                       help="run without drafts while N or more sequences are running (default: always draft)")
-    spec.add_argument("--speculative-policy", default="adaptive", choices=SPECULATIVE_POLICIES,
+    spec.add_argument("--speculative-policy", default=defaults.SPECULATIVE_POLICY, choices=SPECULATIVE_POLICIES,
                       help="adaptive: ask each step for the number of drafts (0..K) expected to emit the most "
                            "tokens per second, from measured acceptance and step costs; fixed: always K")
     spec.add_argument("--propose-transport", default="auto", choices=PROPOSE_TRANSPORTS,

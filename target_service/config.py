@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import defaults
+import splitspec.contract as defaults
 from common.attention_backends import check_backend_name
 from common.compiled_forward import CompileConfig
 from common.dtypes import check_dtype_name
@@ -37,7 +37,7 @@ class EngineConfig:
     drafter_timeout_s: float = defaults.PROPOSE_TIMEOUT_S  # per-step Propose deadline
     drafter_startup_wait_s: float = 30.0  # how long the first handshake may wait for the drafter
     speculative_disable_batch_size: int | None = None  # no drafts while this many sequences or more run
-    speculative_policy: str = "adaptive"  # draft_policy.SPECULATIVE_POLICIES: adaptive (k per step) | fixed (K)
+    speculative_policy: str = defaults.SPECULATIVE_POLICY  # adaptive (k per step) | fixed (K)
     propose_transport: str = "auto"  # PROPOSE_TRANSPORTS: auto (the pool's shm channel on a CPU) | grpc
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
     compile: CompileConfig = field(default_factory=CompileConfig)  # which step shapes run compiled

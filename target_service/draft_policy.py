@@ -37,7 +37,9 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-SPECULATIVE_POLICIES = ("adaptive", "fixed")
+import splitspec.contract as defaults
+
+SPECULATIVE_POLICIES = defaults.SPECULATIVE_POLICIES
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import defaults
+import splitspec.contract as defaults
 from common.auth import auth_metadata
 from common.drafter_facts import DrafterFacts
 from common.grpc_errors import parse_request

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import defaults
+import splitspec.contract as defaults
 from common.attention_backends import select_backend
 from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
