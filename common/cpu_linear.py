@@ -228,7 +228,7 @@ class KernelChoice:
         return describe_rows(self.in_features, self.out_features, self.plain_rows, packed_row_counts())
 
 
-def describe_rows(in_features: int, out_features: int, plain_rows: frozenset[int], counts: list[int]) -> str:
+def describe_rows(in_features: int, out_features: int, plain_rows: frozenset[int], counts: tuple[int, ...]) -> str:
     """`384->768: F.linear at 1-3, 24; packed at 4-16, 32-512`"""
     ranges = {kind: _ranges([r for r in counts if (r in plain_rows) == (kind == "F.linear")]) for kind in KERNELS}
     return f"{in_features}->{out_features}: " + "; ".join(f"{kind} at {text}" for kind, text in ranges.items() if text)
@@ -289,7 +289,7 @@ def select_kernels(layers: list[PackedLinear], timer: Timer | None = None,
 
     Which wins depends on the CPU, not only the shape (on one Xeon the packed product lost at
     2-4 rows where on an EPYC it won from 2): so it is measured at load, once per shape in a
-    process (an injected `timer` measures afresh)."""
+    process (an injected `timer` measures afresh, within `budget_s` per shape)."""
     shapes: dict[tuple, list[PackedLinear]] = {}
     for layer in layers:
         if layer.weight.dtype == torch.float32:
@@ -300,15 +300,17 @@ def select_kernels(layers: list[PackedLinear], timer: Timer | None = None,
             choice = _measured(in_features, out_features, bias, torch.get_num_threads())
         else:
             choice = measure_shape(same[0], timer, budget_s)
+        plain_rows = choice.plain_rows
         for layer in same:
-            layer.plain_rows = choice.plain_rows
+            layer.plain_rows = plain_rows
         choices.append(choice)
     return choices
 
 
-def packed_row_counts() -> list[int]:
+@functools.cache
+def packed_row_counts() -> tuple[int, ...]:
     """Every row count a packed product runs at."""
-    return sorted({padded_rows(rows) for rows in range(1, MAX_PACKED_ROWS + 1)})
+    return tuple(sorted({padded_rows(rows) for rows in range(1, MAX_PACKED_ROWS + 1)}))
 
 
 def _build_every_shape(packed: list[PackedLinear]) -> None:
@@ -319,4 +321,4 @@ def _build_every_shape(packed: list[PackedLinear]) -> None:
     with torch.inference_mode():
         for layer in shapes.values():
             for rows in packed_row_counts():
-                layer(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))
+                layer._packed_product(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import platform
 import sys
 import time
@@ -32,6 +33,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+@functools.cache
 def _load_syscall():
     """(libc's syscall function, SYS_futex), or None where futexes cannot be used from here."""
     number = _SYS_FUTEX.get(platform.machine().lower())

@@ -8,10 +8,10 @@ lands near a boundary, and greedy text then parts ways within a few hundred toke
 blocking, its softmax sums and its P·V reductions follow the query count, the key count
 and the mask of the call.
 
-Here everything runs on fixed tiles (the approach of "batch-invariant" kernels):
-queries in tiles of `QUERY_TILE` rows, keys in tiles of `KEY_TILE` aligned to position 0,
-in float32. Each score is a dot product of one fixed-shape batched matmul item; the row
-maximum is exact in any order; a row's denominator sums each key tile (always
+Here the sums run on fixed tiles (the approach of "batch-invariant" kernels): keys in tiles
+of `KEY_TILE` aligned to position 0, in float32. Each score is one dot product over the head
+dimension, which MKL computes the same way for any number of query rows from `MIN_ROWS` on
+(measured at load by `make_batch_invariant`); the row maximum is exact in any order; a row's denominator sums each key tile (always
 `KEY_TILE` wide, masked keys adding exact zeros) and then the tiles in order (`cumsum`
 over the tile axis, whose CPU kernel accumulates sequentially); P·V likewise. A key
 beyond a row's own position only ever adds +0.0 after its real keys, so a decode (keys
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.attention import TorchAttentionBackend, _Group
+from common.attention import TorchAttentionBackend, _Group, build_plan
 from common.attention_metadata import AttentionMetadata
 from common.cpu_linear import PackedLinear, invariant_chunk_rows
 from common.kv_layout import KVLayout, LayerSpec
@@ -207,8 +207,6 @@ def make_batch_invariant(model: torch.nn.Module) -> str | None:
 def _attention_problem(q_heads: int, kv_heads: int, head_dim: int, generator: torch.Generator) -> str | None:
     """Run `attend_group_invariant` on random pages the ways a step can see one row: a decode,
     a verify of 9, a batch of decodes, a prefill chunk. Any other bits for the same row: why."""
-    from common.attention import build_plan
-
     page_size, length = 16, 200
     cpu = torch.device("cpu")
     k_cache = torch.randn(3, kv_heads, 512, head_dim, generator=generator)  # [B, Hkv, S, D]: 3 sequences' keys

@@ -79,9 +79,9 @@ def add_parser(sub) -> None:
     p.add_argument("--shm-dir", default="/dev/shm", help="where the shared KV pool file lives")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health and handshake")
     p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each service gets to stop on SIGTERM")
-    p.add_argument("--max-restarts", type=int, default=5,
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="a service that exits more often than this within --restart-window-s stops the stack")
-    p.add_argument("--restart-window-s", type=float, default=60.0, help="the window of --max-restarts")
+    p.add_argument("--restart-window-s", type=float, default=RestartPolicy.window_s, help="the window of --max-restarts")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_up)
 
