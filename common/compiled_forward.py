@@ -35,9 +35,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +64,19 @@ class CompileConfig:
     exact_tokens: int = 16  # every token count up to this is its own bucket
     max_tokens: int = 64  # the largest padded bucket; steps with more tokens run eagerly
     background: bool = True  # a bucket first needed mid-serving compiles on a thread (eager meanwhile)
+    sizes: tuple[int, ...] = ()  # the buckets themselves, if given (ascending; the exact/max fields unused)
 
     def __post_init__(self) -> None:
         if self.exact_tokens < 1 or self.max_tokens < self.exact_tokens:
             raise ValueError(f"compile buckets need 1 <= exact_tokens <= max_tokens, got {self.exact_tokens} and "
                              f"{self.max_tokens}")
+        if self.sizes and (self.sizes[0] < 1 or list(self.sizes) != sorted(set(self.sizes))):
+            raise ValueError(f"compile bucket sizes must be positive and ascending, got {self.sizes}")
 
     def bucket(self, tokens: int) -> int | None:
         """The token count a step of `tokens` tokens runs compiled at, or None (eager)."""
+        if self.sizes:
+            return next((size for size in self.sizes if tokens <= size), None) if self.enabled and tokens >= 1 else None
         if not self.enabled or tokens < 1 or tokens > self.max_tokens:
             return None
         if tokens <= self.exact_tokens:
@@ -163,12 +169,14 @@ def after_attention(x: torch.Tensor, attended: torch.Tensor, w: LayerWeights, s:
 class Segments:
     """The three segment functions of one model, over `Shapes` (closed over: static)."""
 
-    def __init__(self, shapes: Shapes, scaling: float) -> None:
-        self.shapes, self.scaling = shapes, scaling
+    def __init__(self, shapes: Shapes, scaling: float, embed_scale: float = 1.0) -> None:
+        self.shapes, self.scaling, self.embed_scale = shapes, scaling, embed_scale
 
     def first(self, input_ids, positions, embed, inv_freq, w: LayerWeights):
         """→ (hidden [T, hidden], cos [T, D], sin [T, D], q, k, v of layer 0)."""
         x = F.embedding(input_ids, embed)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
         cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)
@@ -194,31 +202,45 @@ class CompileStats:
     failed: dict[int, str] = field(default_factory=dict)  # buckets whose compile failed: eager for good
 
 
-class CompiledForward:
-    """`Qwen3ForCausalLM.forward`'s signature and values, compiled per token-count bucket.
+@dataclass(frozen=True)
+class DecoderStack:
+    """A decoder-only stack as the segments run it: embedding (times `embed_scale`), the
+    layers, the final norm. `eager` is the same forward uncompiled, with CompiledForward's
+    signature; `layer_spec(backend, i)` is the pool layer that layer i attends over."""
 
-    Steps whose token count has no bucket (or every step, when disabled) call the model's
-    own forward. Each segment is traced to an aten graph (`make_fx`) and compiled by
-    Inductor directly, not through `torch.compile`'s frame hooks: a step calls seven
-    segments, and dynamo's guards on their two dozen weight arguments cost ~20 µs a call,
-    where the compiled graph's own wrapper costs ~5."""
+    args: Any  # common.qwen3.ModelArgs
+    embed: torch.Tensor  # [V, hidden]
+    rotary: torch.nn.Module  # common.qwen3.RotaryEmbedding: inv_freq [D/2], attention_scaling
+    layers: Sequence[torch.nn.Module]  # common.qwen3.DecoderLayer
+    final_norm: torch.Tensor  # [hidden]
+    eager: Callable[..., tuple[torch.Tensor, dict[int, torch.Tensor]]]
+    layer_spec: Callable[[AttentionBackend, int], Any]
+    embed_scale: float = 1.0
 
-    def __init__(self, model, config: CompileConfig) -> None:
-        self.model, self.config = model, config
+
+def decoder_stack(model) -> DecoderStack:
+    """The stack of a `common.qwen3.Qwen3ForCausalLM` (a target or a draft model)."""
+    specs = model.kv_layer_specs()
+    return DecoderStack(model.args, model.model.embed_tokens.weight, model.rotary, model.model.layers,
+                        model.model.norm.weight, model, lambda backend, i: specs[i])
+
+
+class BucketCompiler:
+    """Compiled code per token-count bucket: compiled up front (`prepare`), or on a background
+    thread the first time a step needs it (eager meanwhile), or given up on if it fails.
+    Subclasses say what one bucket compiles to (`_compile`)."""
+
+    def __init__(self, config: CompileConfig, name: str) -> None:
+        self.config, self.name = config, name
         self.stats = CompileStats()
-        args = model.args
-        shapes = Shapes(args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size, args.rms_norm_eps)
-        self._segments = Segments(shapes, model.rotary.attention_scaling)
-        self._layers = [LayerWeights.of(layer) for layer in model.model.layers]
-        self._present = [name for name, t in vars(self._layers[0]).items() if t is not None]
-        self._flat = [[getattr(w, name) for name in self._present] for w in self._layers]
-        self._scale = model.model.layers[0].self_attn.scale
-        self._compiled: dict[int, tuple] = {}  # bucket → (first, middle, last)
+        self._compiled: dict[int, tuple] = {}  # bucket → its compiled callables
         self._pending: dict[int, Future] = {}  # buckets compiling in the background
         self._executor: ThreadPoolExecutor | None = None
 
     def buckets(self) -> list[int]:
         """Every bucket of the config, smallest first (none when disabled)."""
+        if self.config.sizes:
+            return list(self.config.sizes) if self.config.enabled else []
         return sorted({self.config.bucket(t) for t in range(1, self.config.max_tokens + 1)} - {None})
 
     def prepare(self, token_counts: Sequence[int]) -> None:
@@ -235,6 +257,17 @@ class CompiledForward:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def ready_bucket(self, tokens: int) -> int | None:
+        """The compiled bucket a step of `tokens` runs at now, or None: run it eagerly (counted)."""
+        bucket = self.config.bucket(tokens)
+        if bucket is not None and bucket not in self._compiled and not self._start_compiling(bucket):
+            bucket = None
+        if bucket is None:
+            self.stats.eager_steps += 1
+        else:
+            self.stats.steps[bucket] = self.stats.steps.get(bucket, 0) + 1
+        return bucket
+
     def _start_compiling(self, bucket: int) -> bool:
         """Whether `bucket` can run compiled now: compiled in this thread (not `background`), or
         not yet, with its compile started (or running, or failed before) on the background thread."""
@@ -249,15 +282,43 @@ class CompiledForward:
         return False
 
     def _compile_or_give_up(self, bucket: int) -> bool:
+        started = time.perf_counter()
         try:
             with torch.inference_mode():
-                self._compile(bucket)
-            return True
+                self._compiled[bucket] = self._compile(bucket)
         except Exception as exc:  # noqa: BLE001  a bucket that cannot compile runs eagerly, as before
             self.stats.failed[bucket] = f"{type(exc).__name__}: {exc}"
-            log.warning("compiled forward: bucket of %d tokens failed to compile, runs eagerly: %s", bucket,
+            log.warning("%s: bucket of %d tokens failed to compile, runs eagerly: %s", self.name, bucket,
                         self.stats.failed[bucket])
             return False
+        self.stats.seconds[bucket] = time.perf_counter() - started
+        log.info("%s: bucket of %d tokens ready in %.1f s", self.name, bucket, self.stats.seconds[bucket])
+        return True
+
+    def _compile(self, bucket: int) -> tuple:
+        raise NotImplementedError
+
+
+class CompiledForward(BucketCompiler):
+    """A decoder stack's forward (`DecoderStack.eager`'s signature and values), compiled per
+    token-count bucket.
+
+    Steps whose token count has no bucket (or every step, when disabled) call the eager
+    forward. Each segment is traced to an aten graph (`make_fx`) and compiled by
+    Inductor directly, not through `torch.compile`'s frame hooks: a step calls seven
+    segments, and dynamo's guards on their two dozen weight arguments cost ~20 µs a call,
+    where the compiled graph's own wrapper costs ~5."""
+
+    def __init__(self, stack: DecoderStack, config: CompileConfig, name: str = "compiled forward") -> None:
+        super().__init__(config, name)
+        self.stack = stack
+        args = stack.args
+        shapes = Shapes(args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size, args.rms_norm_eps)
+        self._segments = Segments(shapes, stack.rotary.attention_scaling, stack.embed_scale)
+        self._layers = [LayerWeights.of(layer) for layer in stack.layers]
+        self._present = [name for name, t in vars(self._layers[0]).items() if t is not None]
+        self._flat = [[getattr(w, name) for name in self._present] for w in self._layers]
+        self._scale = stack.layers[0].self_attn.scale
 
     def __call__(
         self,
@@ -269,12 +330,9 @@ class CompiledForward:
         capture_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         tokens = input_ids.shape[0]
-        bucket = self.config.bucket(tokens)
-        if bucket is not None and bucket not in self._compiled and not self._start_compiling(bucket):
-            bucket = None
+        bucket = self.ready_bucket(tokens)
         if bucket is None:
-            self.stats.eager_steps += 1
-            return self.model(input_ids, positions, meta, kv_caches, backend, capture_layers)
+            return self.stack.eager(input_ids, positions, meta, kv_caches, backend, capture_layers)
         if tokens != meta.num_tokens or positions.shape[0] != tokens:
             raise ValueError(f"forward: {tokens} ids and {positions.shape[0]} positions for {meta.num_tokens} tokens "
                              "in the attention metadata")
@@ -285,23 +343,20 @@ class CompiledForward:
             input_ids = F.pad(input_ids, (0, bucket - tokens))
             positions = F.pad(positions, (0, bucket - tokens))
         first, middle, last = self._compiled[bucket]
-        self.stats.steps[bucket] = self.stats.steps.get(bucket, 0) + 1
         return self._run(first, middle, last, tokens, input_ids, positions, kv_caches, backend, wanted)
 
     def _run(self, first, middle, last, tokens, input_ids, positions, kv_caches, backend, wanted):
-        model, flat = self.model.model, self._flat
-        x, cos, sin, q, k, v = first(input_ids, positions, model.embed_tokens.weight, self.model.rotary.inv_freq,
-                                     *flat[0])
+        stack, flat = self.stack, self._flat
+        x, cos, sin, q, k, v = first(input_ids, positions, stack.embed, stack.rotary.inv_freq, *flat[0])
         captured: dict[int, torch.Tensor] = {}
-        specs = self.model.kv_layer_specs()
         count = len(flat)
         for i in range(count):
-            attended = self._attend(q, k, v, tokens, kv_caches[i], backend, specs[i])  # [bucket, Hq, D]
+            attended = self._attend(q, k, v, tokens, kv_caches[i], backend, stack.layer_spec(backend, i))
             if i + 1 < count:
                 x, q, k, v = middle(x, attended, cos, sin, *flat[i], *flat[i + 1])
                 if i in wanted:
                     captured[i] = x[:tokens]
-        (hidden,) = last(x, attended, *flat[-1], model.norm.weight)
+        (hidden,) = last(x, attended, *flat[-1], stack.final_norm)
         hidden = hidden[:tokens]
         if count - 1 in wanted:
             captured[count - 1] = hidden
@@ -311,16 +366,14 @@ class CompiledForward:
         given = dict(zip(self._present, tensors, strict=True))
         return LayerWeights(**{name: given.get(name) for name in vars(self._layers[0])})
 
-    def _compile(self, bucket: int) -> None:
+    def _compile(self, bucket: int) -> tuple:
         """Trace and compile the three segments for `bucket` rows, on example inputs of that shape."""
-        started = time.perf_counter()
-        n, segments, weights = len(self._present), self._segments, self._weights
-        model = self.model.model
-        device = model.embed_tokens.weight.device
+        n, segments, weights, stack, args = len(self._present), self._segments, self._weights, self.stack, self.stack.args
+        device = stack.embed.device
         input_ids, positions = (torch.zeros(bucket, dtype=torch.long, device=device) for _ in range(2))
-        hidden = model.embed_tokens.weight.new_zeros(bucket, self.model.args.hidden_size)
-        attended = hidden.new_zeros(bucket, self.model.args.num_heads, self.model.args.head_dim)
-        cos, sin = (hidden.new_zeros(bucket, self.model.args.head_dim) for _ in range(2))  # distinct: the compiler
+        hidden = stack.embed.new_zeros(bucket, args.hidden_size)
+        attended = hidden.new_zeros(bucket, args.num_heads, args.head_dim)
+        cos, sin = (hidden.new_zeros(bucket, args.head_dim) for _ in range(2))  # distinct: the compiler
         # treats one tensor passed twice as one input, and the graph would read cos for sin
 
         def first(ids, pos, embed, inv_freq, *w):
@@ -332,14 +385,11 @@ class CompiledForward:
         def last(x, att, *w):
             return (segments.last(x, att, weights(w[:n]), w[n]),)
 
-        self._compiled[bucket] = (
-            _compile_graph(first, [input_ids, positions, model.embed_tokens.weight, self.model.rotary.inv_freq,
-                                   *self._flat[0]]),
+        return (
+            _compile_graph(first, [input_ids, positions, stack.embed, stack.rotary.inv_freq, *self._flat[0]]),
             _compile_graph(middle, [hidden, attended, cos, sin, *self._flat[0], *self._flat[1]])
             if len(self._flat) > 1 else None,
-            _compile_graph(last, [hidden, attended, *self._flat[-1], model.norm.weight]))
-        self.stats.seconds[bucket] = time.perf_counter() - started
-        log.info("compiled forward: bucket of %d tokens ready in %.1f s", bucket, self.stats.seconds[bucket])
+            _compile_graph(last, [hidden, attended, *self._flat[-1], stack.final_norm]))
 
     def _attend(self, q, k, v, tokens: int, kv_cache, backend: AttentionBackend, spec) -> torch.Tensor:
         """The paged attention of the real rows (writing their K/V), zeros for the padding."""
@@ -347,6 +397,48 @@ class CompiledForward:
         if out.shape[0] == q.shape[0]:
             return out.contiguous()  # the graphs were compiled for contiguous inputs; a backend may return a view
         return torch.cat([out, out.new_zeros(q.shape[0] - tokens, *out.shape[1:])])
+
+
+class CompiledRows(BucketCompiler):
+    """`fn(*rows, *weights)`, whose outputs are row-wise in its row inputs (row t of every
+    output depends on row t of the inputs alone), compiled per row-count bucket: padded rows
+    are zeros and cut off the outputs."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], weights: Sequence[torch.Tensor],
+                 config: CompileConfig, name: str) -> None:
+        super().__init__(config, name)
+        self.fn, self.weights = fn, list(weights)
+        self._examples: list[torch.Tensor] | None = None  # one row of each row input, set by the first call
+
+    def __call__(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._examples is None:
+            self._examples = [row[:1] for row in rows]
+        count = rows[0].shape[0]
+        if not self._like_examples(rows):  # another dtype or width than the graphs were traced for
+            self.stats.eager_steps += 1
+            return self.fn(*rows, *self.weights)
+        bucket = self.ready_bucket(count)
+        if bucket is None:
+            return self.fn(*rows, *self.weights)
+        padded = [row if bucket == count else F.pad(row, (*(0, 0) * (row.dim() - 1), 0, bucket - count))
+                  for row in rows]
+        return tuple(out[:count] for out in self._compiled[bucket][0](*padded, *self.weights))
+
+    def _like_examples(self, rows: Sequence[torch.Tensor]) -> bool:
+        """Whether the compiled graphs take these rows (dtype, device and row shape as traced)."""
+        return all(row.dtype == ex.dtype and row.device == ex.device and row.shape[1:] == ex.shape[1:]
+                   for row, ex in zip(rows, self._examples, strict=True))
+
+    def prepare_like(self, example_rows: Sequence[torch.Tensor], token_counts: Sequence[int]) -> None:
+        """`prepare`, with one example row of each row input (dtypes and widths) given up front."""
+        self._examples = [row[:1] for row in example_rows]
+        self.prepare(token_counts)
+
+    def _compile(self, bucket: int) -> tuple:
+        if self._examples is None:
+            raise RuntimeError(f"{self.name}: no example rows yet (prepare_like, or one eager call first)")
+        example = [row.new_zeros(bucket, *row.shape[1:]) for row in self._examples]
+        return (_compile_graph(self.fn, [*example, *self.weights]),)
 
 
 def _compile_graph(fn, example: list[torch.Tensor]):

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ngram-max", type=positive_int, default=4, help="longest n-gram to match")
     add_threads_arg(model, "1 on a CPU, where the target owns the cores; torch's on a GPU")
     model.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DrafterConfig.compile,
-                       help="the draft model's steps through the compiled forward (common/compiled_forward.py)")
+                       help="the model drafter's steps (DFlash, draft model) through the compiled forward (common/compiled_forward.py)")
 
     model.add_argument("--shm-dir", default="/dev/shm",
                        help="the target's --shm-dir: the only folder the drafter maps a CPU pool file from")

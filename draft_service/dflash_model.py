@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.attention import write_kv_to_pages
 from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
+from common.compiled_forward import CompileConfig, CompiledForward, CompiledRows, DecoderStack, rms_norm, rope
 from common.kv_layout import KVLayout, LayerSpec
 from common.qwen3 import (
     DecoderLayer,
@@ -262,6 +264,32 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+@dataclass(frozen=True)
+class ContextRows:
+    """Every draft layer's context K/V of T context rows, as one row-wise function of the
+    target's features and the weights (what `write_context` computes), for CompiledRows:
+    (features, positions, fc, hidden_norm, inv_freq, then per layer k/v weight and k_norm)
+    → (k_0, v_0, k_1, v_1, ...), each [T, Hkv, D]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope_scaling: float
+
+    def __call__(self, features, positions, fc, hidden_norm, inv_freq, *layers):
+        context = rms_norm(F.linear(features.to(fc.dtype), fc), hidden_norm, self.eps)  # [T, hidden]
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
+        cos, sin = torch.cat((cos, cos), -1).to(context.dtype), torch.cat((-sin, sin), -1).to(context.dtype)
+        out = []
+        tokens, shape = context.shape[0], (context.shape[0], self.num_kv_heads, self.head_dim)
+        for kv_weight, k_norm in zip(layers[0::2], layers[1::2], strict=True):
+            k, v = F.linear(context, kv_weight).view(tokens, 2, -1).unbind(1)  # [T, Hkv * D] each
+            out += [rope(rms_norm(k.reshape(shape), k_norm, self.eps), cos, sin), v.reshape(shape).contiguous()]
+        return tuple(out)
+
+
 # ---------------------------------------------------------------------------------------
 
 
@@ -284,6 +312,8 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(self.dflash.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, self.args.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.args.head_dim)
+        self.compiled_block: CompiledForward | None = None  # set by use_compiled
+        self.compiled_context: CompiledRows | None = None
 
     # -- loading ------------------------------------------------------------------------
 
@@ -342,6 +372,54 @@ class DFlashDraftModel(nn.Module):
                 f"DFlash target_layer_ids {self.target_layer_ids} exceed the target's {num_layers} layers"
             )
 
+    # -- the compiled forward -------------------------------------------------------------
+
+    def use_compiled(self, config: CompileConfig, embed: torch.Tensor) -> None:
+        """Run proposals through compiled code (common/compiled_forward.py): the block through
+        the draft layers per token-count bucket, and new context rows' K/V per row bucket.
+        `embed` is the target's embedding weight [V, hidden]."""
+        if any(layer.self_attn.qkv_proj.bias is not None for layer in self.layers):
+            raise DFlashConfigError("the compiled DFlash forward has no k/v projection biases")
+        self.compiled_block = CompiledForward(self.decoder_stack(embed), config, "dflash block")
+        args = self.args
+        rows = ContextRows(args.num_layers, args.num_kv_heads, args.head_dim, args.rms_norm_eps,
+                           self.rotary.attention_scaling)
+        q_size = args.num_heads * args.head_dim
+        weights = [self.fc.weight, self.hidden_norm.weight, self.rotary.inv_freq]
+        for layer in self.layers:
+            weights += [layer.self_attn.qkv_proj.weight[q_size:], layer.self_attn.k_norm.weight]
+        self.compiled_context = CompiledRows(rows, weights, config, "dflash context")
+
+    def decoder_stack(self, embed: torch.Tensor) -> DecoderStack:
+        return DecoderStack(self.args, embed, self.rotary, self.layers, self.norm.weight, self.forward_block,
+                            lambda backend, i: backend.layout.layer("draft", i), self.dflash.input_embedding_scale)
+
+    def forward_block(
+        self,
+        input_ids: torch.Tensor,  # [T] long: the blocks, token-flat
+        positions: torch.Tensor,  # [T] long
+        meta: AttentionMetadata,  # planned on the backend already
+        kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],  # index = draft layer
+        backend: AttentionBackend,
+        capture_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The blocks through the draft layers, eagerly: final-normed hidden states [T, hidden]
+        (CompiledForward's signature; nothing is captured)."""
+        hidden = self.target.embed(input_ids).to(self.dtype) * self.dflash.input_embedding_scale  # [T, hidden]
+        cos, sin = self.rotary(positions, hidden.dtype)  # [T, D] each
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_caches[i], backend, backend.layout.layer("draft", i))
+        return self.norm(hidden), {}
+
+    def prepare_compiled(self, block_tokens: Sequence[int], context_rows: Sequence[int]) -> None:
+        """Compile these buckets now (the drafter's warmup), so that no `Propose` runs them eagerly."""
+        if self.compiled_block is None or self.compiled_context is None:
+            return
+        self.compiled_block.prepare(block_tokens)
+        features = torch.zeros(1, self.feature_width, dtype=self.dtype, device=self.fc.weight.device)
+        positions = torch.zeros(1, dtype=torch.long, device=self.fc.weight.device)
+        self.compiled_context.prepare_like([features, positions], context_rows)
+
     # -- context ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -361,6 +439,9 @@ class DFlashDraftModel(nn.Module):
                 f"write_context: features {tuple(features.shape)} and positions {tuple(positions.shape)} "
                 f"for {meta.num_tokens} tokens of width {self.feature_width}"
             )
+        if self.compiled_context is not None:
+            self._write_new_context(NewContext(features, positions, meta.slot_mapping), kv_caches, backend.layout)
+            return
         context = self.project_context(features)  # [T, hidden]
         cos, sin = self.rotary(positions, context.dtype)  # [T, D] each
         for i, layer in enumerate(self.layers):
@@ -398,27 +479,39 @@ class DFlashDraftModel(nn.Module):
         self._check_propose_args(last_token_ids, context_lens, page_tables, k_draft)
         layout: KVLayout = backend.layout
         device = last_token_ids.device
-        backend.plan(
-            block_metadata(context_lens, page_tables, k_draft, layout.page_size, device, self.dflash.causal)
-        )
-        ids = block_token_ids(last_token_ids.long(), k_draft, self.dflash.mask_token_id)  # [B, K + 1]
-        hidden = self.target.embed(ids.reshape(-1)).to(self.dtype)  # [T, hidden], T = B * (K + 1)
-        hidden = hidden * self.dflash.input_embedding_scale
-        positions = block_positions(context_lens, k_draft, device)  # [T]
-        if new_context is None:
-            cos, sin = self.rotary(positions, hidden.dtype)  # [T, D] each
-            for i, layer in enumerate(self.layers):
-                hidden = layer(hidden, cos, sin, kv_caches[i], backend, layout.layer("draft", i))  # [T, hidden]
+        meta = block_metadata(context_lens, page_tables, k_draft, layout.page_size, device, self.dflash.causal)
+        backend.plan(meta)
+        ids = block_token_ids(last_token_ids.long(), k_draft, self.dflash.mask_token_id).reshape(-1)  # [T]
+        positions = block_positions(context_lens, k_draft, device)  # [T], T = B * (K + 1)
+        if self.compiled_block is not None:
+            if new_context is not None:
+                self._write_new_context(new_context, kv_caches, layout)
+            hidden, _ = self.compiled_block(ids, positions, meta, kv_caches, backend)  # [T, hidden], normed
+        elif new_context is None:
+            hidden, _ = self.forward_block(ids, positions, meta, kv_caches, backend)
         else:
-            context = self.project_context(new_context.features)  # [Tc, hidden]
-            cos, sin = self.rotary(torch.cat([new_context.positions, positions]), hidden.dtype)  # [Tc + T, D]
-            for i, layer in enumerate(self.layers):
-                hidden = self._layer_with_context(i, layer, hidden, context, cos, sin, new_context.slot_mapping,
-                                                  kv_caches, backend)  # [T, hidden]
+            hidden = self._forward_block_with_context(ids, positions, new_context, kv_caches, backend)
         drafts = hidden.view(len(context_lens), k_draft + 1, -1)[:, 1:]  # [B, K, hidden]
-        logits = self.compute_logits(self.norm(drafts.reshape(-1, drafts.shape[-1])))  # [B * K, V]
+        logits = self.compute_logits(drafts.reshape(-1, drafts.shape[-1]))  # [B * K, V]
         logits = logits.view(len(context_lens), k_draft, -1)  # [B, K, V]
         return DraftProposal(token_ids=logits.argmax(dim=-1), logits=logits)
+
+    def _forward_block_with_context(self, ids: torch.Tensor, positions: torch.Tensor, new_context: NewContext,
+                                    kv_caches, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden], normed
+        """`forward_block` whose k/v products also take the new context rows, eagerly."""
+        hidden = self.target.embed(ids).to(self.dtype) * self.dflash.input_embedding_scale  # [T, hidden]
+        context = self.project_context(new_context.features)  # [Tc, hidden]
+        cos, sin = self.rotary(torch.cat([new_context.positions, positions]), hidden.dtype)  # [Tc + T, D]
+        for i, layer in enumerate(self.layers):
+            hidden = self._layer_with_context(i, layer, hidden, context, cos, sin, new_context.slot_mapping,
+                                              kv_caches, backend)  # [T, hidden]
+        return self.norm(hidden)
+
+    def _write_new_context(self, new_context: NewContext, kv_caches, layout: KVLayout) -> None:
+        """The new context rows' K/V, compiled per row bucket, written to every draft layer's pages."""
+        kv = self.compiled_context(new_context.features, new_context.positions)  # (k_0, v_0, k_1, ...)
+        for i in range(len(self.layers)):
+            self._write_kv(i, kv[2 * i], kv[2 * i + 1], new_context.slot_mapping, kv_caches, layout)
 
     def _layer_with_context(
         self,

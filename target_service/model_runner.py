@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention_metadata import AttentionMetadata
-from common.compiled_forward import CompileConfig, CompiledForward
+from common.compiled_forward import CompileConfig, CompiledForward, decoder_stack
 from common.kv_pool import PagePool
 from target_service.sampling import SamplingSpec
 from target_service.scheduler import ScheduledSeq
@@ -26,7 +26,7 @@ class ModelRunner:
     def __init__(self, model, backend_cls: type, pool: PagePool, device: torch.device,
                  compile_config: CompileConfig = CompileConfig()) -> None:
         self.model = model
-        self.forward = CompiledForward(model, compile_config)  # the model's own forward where not compiled
+        self.forward = CompiledForward(decoder_stack(model), compile_config)  # the model's own forward where not compiled
         self.device = device
         self.backend_cls = backend_cls
         self.install_pool(pool)

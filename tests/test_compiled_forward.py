@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.compiled_forward import CompileConfig, CompiledForward
+from common.compiled_forward import CompileConfig, CompiledForward, decoder_stack
 from common.qwen3 import Qwen3ForCausalLM
 from tests.paged_runner import CPU, PagedRunner, Seq
 from tests.tiny_models import make_llama_family, make_qwen3
@@ -25,7 +25,7 @@ class Compiled:
     """The model's interface as PagedRunner calls it, with the forward compiled."""
 
     def __init__(self, model: Qwen3ForCausalLM, config: CompileConfig) -> None:
-        self.forward = CompiledForward(model, config)
+        self.forward = CompiledForward(decoder_stack(model), config)
         self.compute_logits = model.compute_logits
         self.kv_layer_specs = model.kv_layer_specs
 
@@ -53,6 +53,11 @@ def test_bucket_policy():
     assert CompileConfig(enabled=True, exact_tokens=4, max_tokens=40).bucket(33) == 40  # the last bucket is max_tokens itself
     with pytest.raises(ValueError, match="exact_tokens"):
         CompileConfig(exact_tokens=32, max_tokens=16)
+    sized = CompileConfig(enabled=True, sizes=(9, 18, 36))  # the buckets given outright (DFlash's blocks)
+    assert [sized.bucket(t) for t in (1, 9, 10, 18, 19, 36, 37)] == [9, 9, 18, 18, 36, 36, None]
+    assert CompileConfig(sizes=(9,)).bucket(9) is None
+    with pytest.raises(ValueError, match="ascending"):
+        CompileConfig(sizes=(18, 9))
 
 
 def test_every_bucket_matches_the_eager_forward(model, shm_dir):
@@ -83,13 +88,13 @@ def test_every_bucket_matches_the_eager_forward(model, shm_dir):
 
 
 def test_disabled_runs_the_model_itself(model):
-    forward = CompiledForward(model, CompileConfig(enabled=False))
+    forward = CompiledForward(decoder_stack(model), CompileConfig(enabled=False))
     forward.prepare([1, 9])
     assert forward.stats.seconds == {}
 
 
 def test_prepare_compiles_ahead_of_use(model):
-    forward = CompiledForward(model, CONFIG)
+    forward = CompiledForward(decoder_stack(model), CONFIG)
     forward.prepare([1, 3, 100])
     assert set(forward.stats.seconds) == {1, 3}  # 100 tokens run eagerly: nothing to compile
 
@@ -115,7 +120,7 @@ def test_a_bucket_first_needed_mid_serving_compiles_in_the_background(model, shm
 
 
 def test_a_bucket_that_fails_to_compile_runs_eagerly(model, monkeypatch):
-    forward = CompiledForward(model, CONFIG)
+    forward = CompiledForward(decoder_stack(model), CONFIG)
 
     def broken(*args):
         raise RuntimeError("no compiler here")
@@ -168,3 +173,27 @@ def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_onl
         assert core.runner.forward.stats.steps.get(16, 0) > 0  # the verifies of 1 + 4 drafts, padded to 16
     finally:
         core.close()
+
+
+def test_compiled_rows_pad_to_their_bucket_and_fall_back_to_eager():
+    """A row-wise function compiled per row bucket: padded rows are cut off the outputs; rows of
+    another dtype than traced, or more than the largest bucket, run the function itself."""
+    from common.compiled_forward import CompiledRows
+
+    weight = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))  # [out, in]
+
+    def fn(x, positions, w):  # row t of each output from row t of the inputs alone
+        return x @ w.T.to(x.dtype) + positions[:, None], x.sum(-1)
+
+    rows = CompiledRows(fn, [weight], CompileConfig(enabled=True, exact_tokens=4, max_tokens=8, background=False),
+                        "test rows")
+    x, positions = torch.randn(10, 5), torch.arange(10)
+    for count in (6, 3):
+        got = rows(x[:count], positions[:count])
+        for g, w in zip(got, fn(x[:count], positions[:count], weight), strict=True):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w)
+    assert rows.stats.steps == {8: 1, 3: 1} and rows.stats.eager_steps == 0
+    rows(x[:3].double(), positions[:3])  # traced for float32
+    rows(x, positions)  # 10 rows: past max_tokens
+    assert rows.stats.eager_steps == 2 and rows.stats.steps == {8: 1, 3: 1}

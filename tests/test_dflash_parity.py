@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
+from common.compiled_forward import CompileConfig
 from common.kv_layout import build_layout
 from common.kv_pool import PagePool
 from common.qwen3 import WeightLoadError
@@ -354,6 +355,44 @@ def test_context_drafted_over_in_the_same_forward_equals_written_first(models, m
     for b, case in enumerate(cases):
         expected = reference_block(models, case.features, case.next_token, case.length)
         torch.testing.assert_close(fused.logits[b], expected, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_compiled_proposals_match_the_reference(models, make_paged, order):
+    """Through the compiled block and context buckets (a block of one sequence at its exact
+    bucket, three sequences' blocks and their held rows padded; the prompts' context
+    eagerly, past the largest bucket): the reference's drafts and logits, every page
+    written as the eager path writes it."""
+    compiled = DFlashDraftModel.from_pretrained(models.draft_dir, heads(models), torch.float32, CPU)
+    config = CompileConfig(enabled=True, sizes=(K + 1, 2 * (K + 1), 4 * (K + 1)), background=False)
+    compiled.use_compiled(config, models.target.get_input_embeddings().weight)
+    cases = [models.cases[4], models.cases[0], models.cases[2]]
+    splits = [c.length - 1 - 3 * i for i, c in enumerate(cases)]  # 1, 4 and 7 rows held
+    anchors = torch.tensor([c.next_token for c in cases])
+    lengths = [c.length for c in cases]
+    compiled_pool, eager_pool = make_paged(order), make_paged(order)
+    tables = [compiled_pool.allocate(c.length + K + 1) for c in cases]
+    held = [(c, s, c.length) for c, s in zip(cases, splits)]
+    outputs = []
+    for model, paged in ((compiled, compiled_pool), (models.ours, eager_pool)):
+        write_chunks(model, paged, [(c, 0, s) for c, s in zip(cases, splits)], tables)
+        outputs.append(model.propose(anchors, lengths, tables, paged.kv_caches, paged.backend,
+                                     new_context=new_context(held, tables)))
+    for i in compiled_pool.kv_caches:
+        torch.testing.assert_close(compiled_pool.kv_caches[i], eager_pool.kv_caches[i], atol=1e-5, rtol=0)
+    got = outputs[0]
+    for b, case in enumerate(cases):
+        expected = reference_block(models, case.features, case.next_token, case.length)
+        torch.testing.assert_close(got.logits[b], expected, atol=LOGIT_ATOL, rtol=0)
+        assert got.token_ids[b].tolist() == expected.argmax(-1).tolist()
+    single = propose_one(compiled, compiled_pool, cases[1].next_token, cases[1].length, tables[1])
+    torch.testing.assert_close(single.logits[0], got.logits[1], atol=LOGIT_ATOL, rtol=0)
+    block, context = compiled.compiled_block.stats, compiled.compiled_context.stats
+    padded = config.bucket(3 * (K + 1))
+    assert padded > 3 * (K + 1) and block.steps == {padded: 1, K + 1: 1} and block.eager_steps == 0
+    held_rows = sum(c.length - s for c, s in zip(cases, splits))
+    assert config.bucket(held_rows) > held_rows and context.steps == {config.bucket(held_rows): 1}
+    assert context.eager_steps == 1  # the prompts' rows, past the largest bucket
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
-KINDS = ("ngram", "draft_model", "dflash")
+KINDS = ("ngram", "draft_model", "dflash", "dflash-compiled")  # the last: DFlash through its compiled forward
 KV_DTYPES = ("float32", "fp8_e4m3")
 
 
@@ -59,9 +59,9 @@ def drafter_args(kind: str, models: Models, shm_dir: Path) -> list[str]:
     # The draft LM is the target itself, computing in the target's float32 (`auto` would take
     # bfloat16 on a CPU that has it): then every draft is accepted, which checks the bonus path.
     model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm), "--dtype", "float32"],
-             "dflash": ["--model", str(models.dflash)]}
-    return ["--kind", kind, *model[kind], "--target-model", str(models.target), "--port", "0",
-            "--num-speculative-tokens", "4", "--shm-dir", str(shm_dir)]
+             "dflash": ["--model", str(models.dflash)], "dflash-compiled": ["--model", str(models.dflash), "--compile"]}
+    return ["--kind", kind.removesuffix("-compiled"), *model[kind], "--target-model", str(models.target),
+            "--port", "0", "--num-speculative-tokens", "4", "--shm-dir", str(shm_dir)]
 
 
 def generate(address: str, prompt: str, **speculation) -> tuple[list[int], pb.Complete]:

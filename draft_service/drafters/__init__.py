@@ -45,7 +45,7 @@ class DrafterConfig:
     ngram_max: int = 4
     attention_backend: str = "auto"  # common.attention_backends.BACKEND_CHOICES
     shm_dir: str = "/dev/shm"  # the only folder a CPU pool file is mapped from (the target's --shm-dir)
-    compile: bool = False  # the draft model's steps through common/compiled_forward.py
+    compile: bool = False  # the model drafter's steps through common/compiled_forward.py
 
     def __post_init__(self) -> None:
         if self.kind not in ("auto", *KINDS):
@@ -117,6 +117,7 @@ def load_drafter(config: DrafterConfig) -> Drafter:
         from draft_service.drafters.dflash import DFlashDrafter
 
         drafter = DFlashDrafter.load(config.model, config.target_model, cache, dtype, config.device, k,
-                                     config.attention_backend)
+                                     config.attention_backend, config.compile)
     drafter.backend_class()  # fail at start, naming what to change, when the backend cannot serve
+    drafter.compile_ahead()
     return drafter

@@ -213,6 +213,11 @@ class Drafter:
         The server calls it at Attach, after `bind`. Nothing to warm by default."""
         return 0.0
 
+    def compile_ahead(self) -> None:
+        """Compile what the drafter's compiled forward (`--compile`) needs, at load, before the
+        server reports SERVING: an Attach has a deadline, and compiling takes seconds a bucket.
+        Nothing to compile by default."""
+
     # -- sequences --------------------------------------------------------------------------
 
     def update(self, update: Update) -> DraftSequence | None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from common.attention_metadata import AttentionMetadata, slot_of
+from common.compiled_forward import CompileConfig
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
@@ -97,6 +98,7 @@ class DFlashDrafter(PooledDrafter):
         num_speculative_tokens: int | None = None,  # None: the model's block_size - 1, also its cap
         model_id: str = "",
         attention_backend: str = "auto",
+        compile: bool = False,
     ) -> None:
         limit = model.num_speculative_tokens
         super().__init__(cache_config, model, limit if num_speculative_tokens is None else num_speculative_tokens,
@@ -106,10 +108,18 @@ class DFlashDrafter(PooledDrafter):
         self.model_id = model_id
         self.vocab_size = heads.vocab_size
         self.feature_width = model.feature_width
+        if compile:
+            model.use_compiled(self.compile_config(), heads.model.embed_tokens.weight)
+
+    def compile_config(self) -> CompileConfig:
+        """Buckets for DFlash's steps, in rows: 1, 2, 4 and 8 blocks of K+1 (a step's blocks, and
+        its new context rows, padded up to the next); larger steps run eagerly."""
+        block = self.model.num_speculative_tokens + 1
+        return CompileConfig(enabled=True, sizes=(block, 2 * block, 4 * block, 8 * block))
 
     @classmethod
     def load(cls, path: str, target_path: str, cache_config: CacheConfig, dtype: torch.dtype, device: str,
-             k: int | None, attention_backend: str = "auto") -> DFlashDrafter:
+             k: int | None, attention_backend: str = "auto", compile: bool = False) -> DFlashDrafter:
         """`k` above the model's cap (block_size - 1) is lowered to it, with a warning."""
         heads = load_target_heads(target_path, dtype, device)
         pack_cpu_linears(heads, log)  # before TargetHeads takes its lm_head
@@ -120,7 +130,8 @@ class DFlashDrafter(PooledDrafter):
         if k is not None and k > limit:
             log.warning("--num-speculative-tokens %d exceeds DFlash block_size - 1; using %d", k, limit)
             k = limit
-        return cls(model, heads, cache_config, k, model_id=str(path), attention_backend=attention_backend)
+        return cls(model, heads, cache_config, k, model_id=str(path), attention_backend=attention_backend,
+                   compile=compile)
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -178,6 +189,13 @@ class DFlashDrafter(PooledDrafter):
             for (seq, k, _), tokens in zip(group, proposal.token_ids.tolist()):
                 drafts[seq.seq_id] = tokens[:k]
         return drafts
+
+    def compile_ahead(self) -> None:
+        """With the compiled forward: the buckets of one sequence's step (a block; up to a block of
+        new context rows). Larger ones compile in the background when first needed."""
+        if self.model.compiled_block is not None:
+            block = self.model.num_speculative_tokens + 1
+            self.model.prepare_compiled([block], [block])
 
     def _block_for(self, seq: DraftSequence, k: int) -> int:
         """The masks of the block that drafts `k` tokens: as many as the model was trained with

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from common.attention_metadata import AttentionMetadata
-from common.compiled_forward import CompileConfig, CompiledForward
+from common.compiled_forward import CompileConfig, CompiledForward, decoder_stack
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
@@ -41,7 +41,7 @@ class DraftModelDrafter(PooledDrafter):
                  attention_backend: str = "auto", compile_config: CompileConfig = CompileConfig()) -> None:
         super().__init__(cache_config, model, num_speculative_tokens, attention_backend)
         self.model = model
-        self.compiled = CompiledForward(model, compile_config)  # its K single-token steps and catch-ups
+        self.compiled = CompiledForward(decoder_stack(model), compile_config)  # its K single-token steps and catch-ups
         self.model_id = model_id
         self.vocab_size = model.vocab_size
 
@@ -102,12 +102,14 @@ class DraftModelDrafter(PooledDrafter):
                              [seq.page_table for seq in seqs])
 
     def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
-        """A prefill of the scratch context, then one decode step after it; every bucket of the
-        compiled forward (when on) is compiled first."""
+        """A prefill of the scratch context, then one decode step after it."""
         ctx = WARMUP_CONTEXT
-        self.compiled.prepare(self.compiled.buckets())
         self._forward([0] * ctx, list(range(ctx)), [ctx], [ctx], [page_table], kv_caches)
         self._forward([0], [ctx], [1], [ctx + 1], [page_table], kv_caches)
+
+    def compile_ahead(self) -> None:
+        """Every bucket of the compiled forward (when on)."""
+        self.compiled.prepare(self.compiled.buckets())
 
     def _forward(
         self,
