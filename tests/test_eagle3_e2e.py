@@ -118,3 +118,48 @@ def test_up_serves_your_own_target_and_eagle3_head(tmp_path):
         finally:
             if up.poll() is None:
                 up.kill()
+
+
+def test_malformed_head_stops_the_drafter_at_start_naming_the_field(tmp_path):
+    """A head whose reduced vocabulary has no d2t: the drafter process never serves."""
+    from safetensors.torch import load_file, save_file
+
+    target_dir, head_dir = make_pair(tmp_path / "models", "llama")
+    tensors = load_file(head_dir / "model.safetensors")
+    del tensors["d2t"]
+    save_file(tensors, str(head_dir / "model.safetensors"))
+    drafter = Service("draft_service.cli",
+                      ["--kind", "auto", "--model", str(head_dir), "--target-model", str(target_dir), "--port", "0",
+                       "--shm-dir", str(tmp_path)], tmp_path / "drafter.log")
+    try:
+        assert drafter.proc.wait(180) == 1, drafter.log()
+        assert "d2t is missing" in drafter.log()
+    finally:
+        drafter.kill()
+
+
+def test_a_target_of_another_vocabulary_serves_without_the_head(tmp_path):
+    """The handshake refuses the head, naming vocab_size; the target serves without speculation."""
+    from tests.procs import server_info, wait_drafter
+
+    target_dir, head_dir = make_pair(tmp_path / "models", "qwen3")
+    other = make_qwen3(tmp_path / "other", num_hidden_layers=TARGET_LAYERS, tokenizer_vocab=400)
+    drafter = Service("draft_service.cli",
+                      ["--kind", "eagle3", "--model", str(head_dir), "--target-model", str(target_dir), "--port",
+                       "0", "--shm-dir", str(tmp_path)], tmp_path / "drafter.log")
+    target = None
+    try:
+        drafter.wait_serving()
+        target = Service("target_service.cli", target_args(other, tmp_path, "--drafter", drafter.address),
+                         tmp_path / "target.log")
+        address = target.wait_serving()
+        info = wait_drafter(address, pb.DrafterState.STATUS_UNAVAILABLE)
+        assert "vocab_size" in info.drafter.detail, info
+        tokens, complete = generate(address, PROMPTS[0])
+        assert len(tokens) == MAX_TOKENS and complete.usage.num_drafts == 0
+        assert server_info(address).drafter.status == pb.DrafterState.STATUS_UNAVAILABLE
+        assert target.stop() == 0, target.log()
+    finally:
+        if target is not None:
+            target.kill()
+        assert drafter.stop() == 0, drafter.log()
