@@ -94,8 +94,8 @@ class Eagle3Config:
             raise Eagle3ConfigError(f"target_hidden_size must be positive, got {self.target_hidden_size}")
         ids = self.aux_layer_ids
         if ids is not None and (not ids or any(i < 1 for i in ids)):
-            raise Eagle3ConfigError(f"eagle_aux_hidden_state_layer_ids must be target layer ids >= 1 (id i is the "
-                                    f"state entering layer i), got {list(ids)}")
+            raise Eagle3ConfigError(f"eagle_aux_hidden_state_layer_ids must be target layer ids >= 1 "
+                                    f"(id i is the state entering layer i), got {list(ids)}")
         if self.norm_before_fc and self.fc_norm:
             raise Eagle3ConfigError("norm_before_fc and fc_norm are mutually exclusive")
 
@@ -128,7 +128,8 @@ class Eagle3Config:
 def eagle3_layout(raw: Mapping) -> str | None:
     """"specforge" or "speculators" when a config.json describes an EAGLE-3 head, else None."""
     architectures = list(raw.get("architectures") or [])
-    if raw.get("speculators_model_type") == "eagle3" or any(a in SPECULATORS_ARCHITECTURES for a in architectures):
+    speculators = any(a in SPECULATORS_ARCHITECTURES for a in architectures)
+    if raw.get("speculators_model_type") == "eagle3" or speculators:
         return "speculators"
     if any(a in SPECFORGE_ARCHITECTURES for a in architectures):
         return "specforge"
@@ -184,7 +185,8 @@ def _flag(raw: Mapping, name: str) -> bool:
 
 def _speculators_config(raw: Mapping) -> Eagle3Config:
     if _flag(raw, "norm_output"):
-        raise Eagle3ConfigError("norm_output (EAGLE 3.1: normed states fed back across steps) is not supported")
+        raise Eagle3ConfigError("norm_output (EAGLE 3.1: normed states fed back across steps) "
+                                "is not supported")
     fields = raw.get("transformer_layer_config")
     if not isinstance(fields, dict):
         raise Eagle3ConfigError("speculators config lacks transformer_layer_config")
@@ -205,8 +207,8 @@ def _speculators_config(raw: Mapping) -> Eagle3Config:
 def _specforge_config(raw: Mapping) -> Eagle3Config:
     for name in ("norm_output", "norm_before_fc", "fc_norm"):
         if _flag(raw, name):
-            raise Eagle3ConfigError(f"{name} in a SpecForge-layout config is not supported (convert it to the "
-                                    "speculators layout, whose config carries it)")
+            raise Eagle3ConfigError(f"{name} in a SpecForge-layout config is not supported (convert it to "
+                                    "the speculators layout, whose config carries it)")
     eagle = raw.get("eagle_config") or {}
     layer_config = _layer_config(raw, "")
     ids = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
@@ -262,15 +264,18 @@ class Eagle3DraftModel(nn.Module):
         if config.norm_before_fc:
             self.input_norm = RMSNorm(feature_width, eps)
         if config.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, eps) for _ in range(config.num_aux_layers))
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, eps)
+                                         for _ in range(config.num_aux_layers))
         self.fc = nn.Linear(feature_width, hidden, bias=False)
         first = Eagle3FirstLayer(self.args, config.norm_before_residual)
-        self.layers = nn.ModuleList([first, *(DecoderLayer(self.args) for _ in range(1, self.args.num_layers))])
+        rest = (DecoderLayer(self.args) for _ in range(1, self.args.num_layers))
+        self.layers = nn.ModuleList([first, *rest])
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.layer_config, self.args.head_dim)
         # target id of each draft id: d + d2t[d] (the identity without a reduced vocabulary)
-        self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)  # [Vd]
+        self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size),  # [Vd]
+                             persistent=False)
         self.borrowed_embed: nn.Module | None = None
 
     # -- loading ------------------------------------------------------------------------
@@ -322,7 +327,7 @@ class Eagle3DraftModel(nn.Module):
         table = self.borrowed_embed if self.borrowed_embed is not None else self.embed_tokens
         return table(input_ids).to(self.dtype)
 
-    def project_features(self, features: torch.Tensor) -> torch.Tensor:  # [T, n * target hidden] → [T, hidden]
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:  # [T, n * target hidden] → [T, H]
         features = features.to(self.dtype)
         if self.config.norm_before_fc:
             features = self.input_norm(features)
@@ -346,7 +351,8 @@ class Eagle3DraftModel(nn.Module):
                              f"{meta.num_tokens} tokens of width {self.hidden_size}")
         layout = backend.layout
         cos, sin = self.rotary(positions, self.dtype)  # [T, D] each
-        x = self.layers[0](self.embed(input_ids), hidden, cos, sin, kv_caches[0], backend, layout.layer("draft", 0))
+        embeds = self.embed(input_ids)  # [T, hidden]
+        x = self.layers[0](embeds, hidden, cos, sin, kv_caches[0], backend, layout.layer("draft", 0))
         for i in range(1, len(self.layers)):
             x = self.layers[i](x, cos, sin, kv_caches[i], backend, layout.layer("draft", i))
         return x
@@ -376,8 +382,8 @@ def _check_tensors(folder: Path, tensors: dict[str, torch.Tensor], expected: Map
     for name, tensor in tensors.items():
         if name in expected:
             if tensor.shape != expected[name]:
-                raise WeightLoadError(f"{folder}: EAGLE-3 tensor {name} has shape {tuple(tensor.shape)}, the config "
-                                      f"implies {tuple(expected[name])}")
+                raise WeightLoadError(f"{folder}: EAGLE-3 tensor {name} has shape {tuple(tensor.shape)}, "
+                                      f"the config implies {tuple(expected[name])}")
             state[name] = tensor.to(device=device, dtype=dtype)
         elif not IGNORED_TENSOR.search(name):
             unexpected.append(name)
@@ -398,12 +404,14 @@ def _draft_to_target(folder: Path, config: Eagle3Config, d2t: torch.Tensor | Non
                                     f"vocab_size {config.vocab_size} needs the draft-to-target offsets")
         return ids
     if d2t.shape != (config.draft_vocab_size,) or d2t.is_floating_point() or d2t.dtype == torch.bool:
-        raise Eagle3ConfigError(f"{folder}: d2t must be integer offsets of shape ({config.draft_vocab_size},) "
-                                f"(draft_vocab_size), got {d2t.dtype} {tuple(d2t.shape)}")
+        wanted = f"({config.draft_vocab_size},) (draft_vocab_size)"
+        raise Eagle3ConfigError(f"{folder}: d2t must be integer offsets of shape {wanted}, "
+                                f"got {d2t.dtype} {tuple(d2t.shape)}")
     target = ids + d2t.long()
     if int(target.min()) < 0 or int(target.max()) >= config.vocab_size:
-        raise Eagle3ConfigError(f"{folder}: d2t maps draft ids to target ids outside [0, {config.vocab_size}) "
-                                f"(vocab_size): {int(target.min())}..{int(target.max())}")
+        span = f"{int(target.min())}..{int(target.max())}"
+        raise Eagle3ConfigError(f"{folder}: d2t maps draft ids to target ids outside "
+                                f"[0, {config.vocab_size}) (vocab_size): {span}")
     if target.unique().numel() != target.numel():
         raise Eagle3ConfigError(f"{folder}: d2t maps two draft ids to one target id")
     return target

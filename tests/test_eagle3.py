@@ -171,18 +171,22 @@ def test_drafts_equal_speculators_reference(name, checkpoints, session, hf_targe
         assert [got[10 + i] for i in range(len(cases))] == expected, f"{name}, {layout}, batched"
 
 
-def test_context_grows_across_proposals(checkpoints, session, hf_target):
+@pytest.mark.parametrize("max_held_rows", [None, 2])
+def test_context_grows_across_proposals(max_held_rows, checkpoints, session, hf_target, monkeypatch):
     """A sequence's context arriving over several steps (fewer drafts asked, none asked, a
-    scratch draft overwritten) drafts what the reference drafts from the whole prefix."""
+    scratch draft overwritten) drafts what the reference drafts from the whole prefix; also
+    when the rows of steps without drafts are written as they come (past `MAX_HELD_ROWS`)."""
+    if max_held_rows is not None:
+        monkeypatch.setattr("draft_service.drafters.eagle3.MAX_HELD_ROWS", max_held_rows)
     hf_model, tokenizer = hf_target
     reference, folders = checkpoints["qwen3-2-layers"]
     tokens, features = case(hf_model, tokenizer, "\n".join(PROMPTS[11:14]), aux_ids_of(reference.shape))
     s = session(folders["speculators"])
     embed = hf_model.get_input_embeddings()
-    cuts = [5, 6, 9, 17, 18, len(tokens) - 1]
+    cuts = [5, 6, 9, 17, 18, 26, len(tokens) - 1]
     start = 0
     for step, end in enumerate(cuts):
-        k = (0, 2, K, 1, K, K)[step]
+        k = (0, 2, K, 1, 0, 0, K)[step]
         item = s.update(0, start, tokens[start:end], tokens[end], features[start:end], k)
         got = s.propose([item])
         if k:

@@ -61,8 +61,8 @@ class Eagle3Drafter(PooledDrafter):
             else default_aux_layer_ids(target_num_layers))
 
     @classmethod
-    def load(cls, path: str, target_path: str | None, cache_config: CacheConfig, dtype: torch.dtype, device: str,
-             k: int, attention_backend: str = "auto") -> Eagle3Drafter:
+    def load(cls, path: str, target_path: str | None, cache_config: CacheConfig, dtype: torch.dtype,
+             device: str, k: int, attention_backend: str = "auto") -> Eagle3Drafter:
         """The target's checkpoint is read for its embedding when the head has none, and for
         its depth (the default aux layers); only those."""
         embed, fingerprint, depth = None, "", None
@@ -103,8 +103,8 @@ class Eagle3Drafter(PooledDrafter):
             problems.append(mismatch("fingerprint of embedding/lm_head", target.fingerprint or "(none)",
                                      self.embed_fingerprint))
         if any(not 1 <= i < target.num_layers for i in ids):
-            problems.append(mismatch("num_layers", target.num_layers,
-                                     f"eagle_aux_hidden_state_layer_ids {list(ids)} need ids in 1..num_layers - 1"))
+            needs = f"eagle_aux_hidden_state_layer_ids {list(ids)} need ids in 1..num_layers - 1"
+            problems.append(mismatch("num_layers", target.num_layers, needs))
         raise_mismatches(problems)
         self.aux_layer_ids = tuple(ids)
 
@@ -115,11 +115,10 @@ class Eagle3Drafter(PooledDrafter):
         for seq, rows, _ in items:
             if rows is not None and rows.shape[0] > 0:
                 seq.held_rows.append(rows)
-        counts = [(seq, k) for seq, k in self._draft_counts(items)
-                  if seq.num_context + seq.held_count == seq.context_len >= 1]
+        counts = [(seq, k) for seq, k in self._draft_counts(items) if self._rows_cover_context(seq)]
         drafting = {seq.seq_id for seq, _ in counts}
-        self._write_context([seq for seq, _, _ in items
-                             if seq.seq_id not in drafting and seq.held_count > MAX_HELD_ROWS])
+        self._write_context([seq for seq, _, _ in items if seq.seq_id not in drafting
+                             and seq.held_count > MAX_HELD_ROWS and self._rows_cover_context(seq)])
         if not counts:
             return {}
         seqs = [seq for seq, _ in counts]
@@ -134,6 +133,11 @@ class Eagle3Drafter(PooledDrafter):
             for b, token in zip(active, tokens.tolist()):
                 drafts[b].append(token)
         return {seq.seq_id: seq_drafts[:k] for (seq, k), seq_drafts in zip(counts, drafts)}
+
+    @staticmethod
+    def _rows_cover_context(seq: DraftSequence) -> bool:
+        """Every context position has its K/V written or its feature row held (and there is one)."""
+        return seq.num_context + seq.held_count == seq.context_len >= 1
 
     def _first_step(self, seqs: list[DraftSequence]) -> torch.Tensor:
         """Every held row through the head, its last row the query of draft 1; the pre-norm
@@ -196,7 +200,8 @@ class Eagle3Drafter(PooledDrafter):
         page_size = self.layout.page_size
         meta = AttentionMetadata.build(query_lens=[ctx], seq_lens=[ctx], page_tables=[page_table],
                                        page_size=page_size, device=self.device)
-        features = torch.zeros(ctx, self.feature_width, dtype=self.model.dtype, device=self.device)  # [ctx, width]
+        features = torch.zeros(ctx, self.feature_width, dtype=self.model.dtype,
+                               device=self.device)  # [ctx, width]
         out = self._run([0] * ctx, self.model.project_features(features), list(range(ctx)), meta, kv_caches)
         token = self.model.greedy_target_ids(out[-1:])  # [1]
         meta = AttentionMetadata.build(query_lens=[1], seq_lens=[ctx + 1], page_tables=[page_table],
