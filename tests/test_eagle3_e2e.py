@@ -55,8 +55,12 @@ def run_prompts(address: str, concurrency: int, disable: bool = False) -> list[t
         return list(pool.map(lambda p: generate(address, p, disable), PROMPTS[:NUM_PROMPTS]))
 
 
-@pytest.mark.parametrize(("family", "kind"), [("qwen3", "auto"), ("llama", "eagle3")])
-def test_eagle3_split_is_lossless(family, kind, tmp_path):
+@pytest.mark.parametrize(("family", "kind", "policy", "kv_dtype"), [
+    ("qwen3", "auto", "fixed", "float32"),
+    ("llama", "eagle3", "fixed", "float32"),
+    ("qwen3", "eagle3", "adaptive", "fp8_e4m3"),  # the default policy; fp8 pages for the head's layers too
+])
+def test_eagle3_split_is_lossless(family, kind, policy, kv_dtype, tmp_path):
     target_dir, head_dir = make_pair(tmp_path / "models", family)
     drafter = Service("draft_service.cli",
                       ["--kind", kind, "--model", str(head_dir), "--target-model", str(target_dir), "--port", "0",
@@ -68,7 +72,7 @@ def test_eagle3_split_is_lossless(family, kind, tmp_path):
         assert "serving eagle3 drafter" in drafter.log()
         target = Service("target_service.cli",
                          target_args(target_dir, tmp_path, "--drafter", drafter.address, "--speculative-policy",
-                                     "fixed"),
+                                     policy, "--kv-cache-dtype", kv_dtype),
                          tmp_path / "target.log")
         address = target.wait_serving()
         reference = [tokens for tokens, _ in run_prompts(address, 4, disable=True)]
@@ -77,7 +81,8 @@ def test_eagle3_split_is_lossless(family, kind, tmp_path):
             for i, ((tokens, complete), ref) in enumerate(zip(results, reference)):
                 assert tokens == ref, f"{family}, concurrency {concurrency}, prompt {i}"
                 assert complete.usage.accepted_tokens <= complete.usage.draft_tokens
-            assert sum(c.usage.draft_tokens for _, c in results) > 0, f"nothing was speculated\n{target.log()}"
+            if policy == "fixed":  # the adaptive policy may rightly find a random head's drafts do not pay
+                assert sum(c.usage.draft_tokens for _, c in results) > 0, f"nothing was speculated\n{target.log()}"
         assert target.stop() == 0, target.log()
     finally:
         if target is not None:
@@ -158,6 +163,48 @@ def test_a_target_of_another_vocabulary_serves_without_the_head(tmp_path):
         tokens, complete = generate(address, PROMPTS[0])
         assert len(tokens) == MAX_TOKENS and complete.usage.num_drafts == 0
         assert server_info(address).drafter.status == pb.DrafterState.STATUS_UNAVAILABLE
+        assert target.stop() == 0, target.log()
+    finally:
+        if target is not None:
+            target.kill()
+        assert drafter.stop() == 0, drafter.log()
+
+
+def test_temperature_one_keeps_the_target_distribution(tmp_path):
+    """Sampled tokens with the head's drafts follow the target's own samples (chi-square per
+    position, as tests/test_speculative_faults.py checks the draft LM)."""
+    from collections import Counter
+
+    from tests.test_speculative_faults import CHI2_CRIT, _two_sample_chi_square
+
+    target_dir, head_dir = make_pair(tmp_path / "models", "qwen3")
+    drafter = Service("draft_service.cli",
+                      ["--kind", "eagle3", "--model", str(head_dir), "--target-model", str(target_dir), "--port",
+                       "0", "--num-speculative-tokens", "3", "--shm-dir", str(tmp_path)], tmp_path / "drafter.log")
+    target = None
+    try:
+        drafter.wait_serving()
+        target = Service("target_service.cli", target_args(target_dir, tmp_path, "--drafter", drafter.address,
+                                                           "--speculative-policy", "fixed"), tmp_path / "target.log")
+        address = target.wait_serving()
+        n = 400
+
+        def sample(seed: int, disable: bool):
+            request = pb.GenerateRequest(text=PROMPTS[6], stop=pb.StopParams(max_tokens=4, ignore_eos=True),
+                                         sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+                                         speculation=pb.SpeculationParams(disable=disable))
+            return stream_tokens(address, request)
+
+        with ThreadPoolExecutor(8) as pool:
+            plain = list(pool.map(lambda s: sample(s, True), range(n)))
+            spec = list(pool.map(lambda s: sample(s + 10_000, False), range(n)))
+        assert sum(c.usage.num_drafts for _, c in spec) > n // 2, "speculation did not run"
+        accepted, drafted = (sum(getattr(c.usage, f) for _, c in spec) for f in ("accepted_tokens", "draft_tokens"))
+        assert 0 < accepted < drafted, (accepted, drafted)
+        for position in (1, 2, 3):
+            stat, dof = _two_sample_chi_square(Counter(t[position] for t, _ in plain),
+                                               Counter(t[position] for t, _ in spec))
+            assert dof >= 1 and stat < CHI2_CRIT[min(dof, 20)], f"position {position}: chi2 {stat:.1f}, dof {dof}"
         assert target.stop() == 0, target.log()
     finally:
         if target is not None:
