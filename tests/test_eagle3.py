@@ -79,10 +79,7 @@ class Session:
                  kind: str = "eagle3") -> None:
         self.drafter = load_drafter(DrafterConfig(kind=kind, model=str(model_dir), target_model=str(target_dir),
                                                   dtype="float32", num_speculative_tokens=K, shm_dir=str(shm_dir)))
-        fingerprint = ""
-        if self.drafter.embed_fingerprint:
-            fingerprint = self.drafter.embed_fingerprint
-        self.drafter.check_target(target_info(hf_model, fingerprint))
+        self.drafter.check_target(target_info(hf_model, getattr(self.drafter, "embed_fingerprint", "")))
         staging = StagingSpec(rows=64, width=self.drafter.feature_width,
                               layer_ids=tuple(self.drafter.target_layer_ids()))
         layout = build_layout(order="NHD", page_size=PAGE_SIZE, kv_dtype="float32", num_pages=NUM_PAGES,
