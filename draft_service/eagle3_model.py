@@ -289,9 +289,8 @@ class Eagle3DraftModel(nn.Module):
         config = read_eagle3_config(folder)
         tensors = dict(_renamed_tensors(folder, config.layout))
         own_embedding = EMBED_NAME in tensors
-        if not own_embedding and embed is None:
-            raise Eagle3ConfigError(f"{folder}: the head has no {EMBED_NAME}; pass the target's checkpoint "
-                                    "(--target-model) to borrow its embedding")
+        if not own_embedding:
+            _check_borrowed_embedding(folder, config, embed)
         with torch.device("meta"):
             model = cls(config, own_embedding)
         expected, stacked = checkpoint_layout(model)
@@ -373,6 +372,19 @@ def _renamed_tensors(folder: Path, layout: str):
         if layout == "specforge" and name.startswith("midlayer."):
             name = "layers.0." + name.removeprefix("midlayer.")
         yield name, tensor
+
+
+def _check_borrowed_embedding(folder: Path, config: Eagle3Config, embed: nn.Module | None) -> None:
+    if embed is None:
+        raise Eagle3ConfigError(f"{folder}: the head has no {EMBED_NAME}; pass the target's checkpoint "
+                                "(--target-model) to borrow its embedding")
+    rows, width = embed.weight.shape
+    if rows != config.vocab_size:
+        raise Eagle3ConfigError(f"{folder}: vocab_size {config.vocab_size} of the head, the target's "
+                                f"embedding has {rows} rows")
+    if width != config.hidden_size:
+        raise Eagle3ConfigError(f"{folder}: hidden_size {config.hidden_size} of the head, the target's "
+                                f"embedding is {width} wide (a head of another width needs its own {EMBED_NAME})")
 
 
 def _check_tensors(folder: Path, tensors: dict[str, torch.Tensor], expected: Mapping[str, torch.Size],

@@ -283,11 +283,19 @@ def test_incompatible_targets_fail_at_the_handshake(checkpoints, target_dir, hf_
             drafter.check_target(replace(good, **changes))
 
 
-def test_head_needs_an_embedding(checkpoints, shm_dir):
+def test_head_needs_an_embedding_that_fits(checkpoints, shm_dir):
+    from torch import nn
+
+    from draft_service.eagle3_model import Eagle3DraftModel
+
     _, folders = checkpoints["llama-1-layer"]
     with pytest.raises(Eagle3ConfigError, match="target-model"):
         load_drafter(DrafterConfig(kind="eagle3", model=str(folders["specforge"]), dtype="float32",
                                    shm_dir=str(shm_dir)))
+    vocab = json.loads((folders["specforge"] / "config.json").read_text())["vocab_size"]
+    for embed, words in ((nn.Embedding(vocab + 1, 64), "vocab_size"), (nn.Embedding(vocab, 48), "hidden_size 64")):
+        with pytest.raises(Eagle3ConfigError, match=words):
+            Eagle3DraftModel.from_pretrained(folders["specforge"], torch.float32, "cpu", embed=embed)
 
 
 def test_llama_target_head(root, session, shm_dir):
