@@ -384,7 +384,8 @@ def _check_borrowed_embedding(folder: Path, config: Eagle3Config, embed: nn.Modu
                                 f"embedding has {rows} rows")
     if width != config.hidden_size:
         raise Eagle3ConfigError(f"{folder}: hidden_size {config.hidden_size} of the head, the target's "
-                                f"embedding is {width} wide (a head of another width needs its own {EMBED_NAME})")
+                                f"embedding is {width} wide (a head of another width needs its own "
+                                f"{EMBED_NAME})")
 
 
 def _check_tensors(folder: Path, tensors: dict[str, torch.Tensor], expected: Mapping[str, torch.Size],
