@@ -69,7 +69,7 @@ class Eagle3Drafter(PooledDrafter):
         if target_path:
             depth = int(load_config(resolve_model_path(target_path)).num_hidden_layers)
         if target_path and not _has_own_embedding(path):
-            from draft_service.drafters.dflash import load_target_heads
+            from draft_service.target_heads import load_target_heads
 
             heads = load_target_heads(target_path, dtype, device)
             embed, fingerprint = heads.model.embed_tokens, heads.fingerprint()
