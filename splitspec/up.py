@@ -272,6 +272,8 @@ def model_dirs(models: Path, drafter: str, target_model: Path | None = None,
         draft = draft_model or models / drafter
     if drafter == "auto" and draft_model is None:
         raise UpError("--drafter auto tells the kind from --draft-model's config: pass --draft-model DIR")
+    if drafter == "eagle3" and draft_model is None and not (draft / "config.json").is_file():
+        raise UpError(f"no EAGLE-3 head in {draft} (the demo recipe trains none): pass --draft-model DIR")
     for folder, given in ((target, target_model), (draft, draft_model)):
         if folder is not None and not (folder / "config.json").is_file():
             hint = ("check the folder" if given is not None else

@@ -313,3 +313,21 @@ def test_llama_target_head(root, session, shm_dir):
         tokens, features = case(hf_model, tokenizer, text, default_aux_layer_ids(TARGET_LAYERS))
         expected = reference.drafts(features, tokens[1:], K, embed=hf_model.get_input_embeddings())
         assert s.propose([s.update(i, 0, tokens[:-1], tokens[-1], features)])[i] == expected
+
+
+def test_up_takes_your_own_folders_and_names_what_is_missing(checkpoints, target_dir, tmp_path):
+    from splitspec.up import UpError, model_dirs
+
+    _, folders = checkpoints["llama-1-layer"]
+    demo = tmp_path / "demo"
+    assert model_dirs(demo, "auto", target_dir, folders["speculators"]) == (target_dir, folders["speculators"])
+    assert model_dirs(demo, "eagle3", target_dir, folders["specforge"]) == (target_dir, folders["specforge"])
+    assert model_dirs(demo, "ngram", target_dir) == (target_dir, None)
+    for drafter, target, draft, words in (
+        ("auto", target_dir, None, "--draft-model"),
+        ("eagle3", target_dir, None, "demo recipe trains none"),
+        ("eagle3", tmp_path / "nowhere", folders["specforge"], "no checkpoint in"),
+        ("dflash", None, None, "train the demo pair"),
+    ):
+        with pytest.raises(UpError, match=words):
+            model_dirs(demo, drafter, target, draft)
