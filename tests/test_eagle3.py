@@ -259,6 +259,12 @@ def test_malformed_heads_fail_at_load_naming_the_field(checkpoints, root, target
          Eagle3ConfigError, "model_type 'gemma3'"),
         (corrupt(spec, bad / "draft-vocab", config={"draft_vocab_size": 10**6}), Eagle3ConfigError,
          "draft_vocab_size"),
+        (corrupt(forge, bad / "sliding", config={"layer_types": ["sliding_attention"]}), Eagle3ConfigError,
+         "layer_types"),
+        (corrupt(forge, bad / "forge-fc-norm", config={"fc_norm": True}), Eagle3ConfigError, "fc_norm"),
+        (corrupt(spec, bad / "not-eagle", config={"architectures": ["LlamaForCausalLM"],
+                                                  "speculators_model_type": "mlp"}), Eagle3ConfigError,
+         "not an EAGLE-3 head"),
         (corrupt(forge, bad / "extra", tensors={"midlayer.extra.weight": torch.zeros(2)}), WeightLoadError,
          "layers.0.extra.weight"),
     ]
