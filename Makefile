@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	# the CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test,bench]'
-	# the DFlash reference for parity tests; --no-deps: its pins (datasets, tqdm) serve only its CLI
-	$(BIN)/pip install --quiet --no-deps dflash==0.1.0
+	# the DFlash and EAGLE-3 references for parity tests; --no-deps: their pins (datasets, openai, ...)
+	# serve only their CLIs and training (tests/eagle3_reference.py loads speculators' model files alone)
+	$(BIN)/pip install --quiet --no-deps dflash==0.1.0 speculators==0.9.0
 	touch $@
 
 up: setup

@@ -9,6 +9,8 @@
   7. splitspec + dflash           (drafter in a second process; Propose over the pool's shm channel)
   8. splitspec + dflash, one process (the drafter called directly: 7 vs 8 is the split's cost)
   9. row 7's engine with no drafts asked (concurrency 1): what an idle drafter process costs
+ 10. splitspec + eagle3           (drafter in a second process), when the models folder has an
+     EAGLE-3 head in eagle3/ (the demo recipe trains none)
 
 Rows 4-8 drive the engine in this process (no client RPC), so every row measures
 decoding, not the client. Usage:
@@ -200,8 +202,7 @@ class DrafterProcess:
         port, metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        model = {"ngram": [], "draft_model": ["--model", str(models / "draft_model")],
-                 "dflash": ["--model", str(models / "dflash")]}[kind]
+        model = [] if kind == "ngram" else ["--model", str(models / kind)]
         cmd = [sys.executable, "-m", "draft_service.cli", "--kind", kind, *model, "--target-model",
                str(models / "target"), "--port", str(port), "--metrics-port", str(metrics_port),
                "--shm-dir", shm_dir, "--log-level", "warning", "--compile" if compile_steps else "--no-compile",
@@ -349,6 +350,14 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
                 raise RuntimeError(f"{kind} drafter did not handshake: {core.link.detail}")
             core.warmup()
         rows.append(EngineRow(9, "splitspec + dflash (2 processes), no drafts asked", core, speculate=False, levels=(1,)))
+        if (models / "eagle3" / "config.json").is_file():
+            drafter = DrafterProcess("eagle3", models, token, Path(tmp) / "eagle3.log", tmp, compile_steps)
+            drafters.append(drafter)
+            core = build_engine_core(engine_config(models, tmp, k, drafter.address, token, policy, compile_steps))
+            rows.append(EngineRow(10, "splitspec + eagle3 (2 processes)", core, drafter.metrics_url))
+            if not core.link.ready:
+                raise RuntimeError(f"eagle3 drafter did not handshake: {core.link.detail}")
+            core.warmup()
         core = in_process_engine(models, tmp, k, "dflash", policy, compile_steps=compile_steps)
         core.warmup()
         rows.append(EngineRow(8, "splitspec + dflash (1 process)", core))

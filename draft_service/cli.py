@@ -23,9 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model", default=None,
                        help="draft checkpoint folder or Hugging Face id (from the local cache); not needed for ngram")
     model.add_argument("--target-model", default=None,
-                       help="the target's checkpoint: DFlash reads its embedding and lm_head (only those tensors)")
+                       help="the target's checkpoint: DFlash reads its embedding and lm_head, an EAGLE-3 head "
+                            "without its own embedding that embedding (only those tensors) and its depth")
     model.add_argument("--kind", default="auto", choices=("auto", *KINDS),
-                       help="auto: DFlashDraftModel → dflash, *ForCausalLM → draft_model, no --model → ngram")
+                       help="auto: DFlashDraftModel → dflash, LlamaForCausalLMEagle3 or Eagle3Speculator → eagle3, "
+                            "*ForCausalLM → draft_model, no --model → ngram")
     model.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                        help="most draft tokens per step (default 8; DFlash: block_size - 1, also its cap)")
     model.add_argument("--device", default="cpu", help="torch device; must be the target's (cpu, cuda, cuda:1)")

@@ -1,4 +1,5 @@
-"""`splitspec up`: the whole stack on one machine, on the bundled demo pair (CPU).
+"""`splitspec up`: the whole stack on one machine, on the bundled demo pair (CPU) or on your
+own target and drafter folders (`--target-model`, `--draft-model`).
 
 Starts the drafter and the target as two child processes (`python -m draft_service.cli`,
 `python -m target_service.cli --drafter ...`), sharing a generated internal token unless
@@ -42,7 +43,7 @@ from splitspec.cli_args import PARENT_PID_ENV
 from splitspec.contract import TOKEN_ENV
 from splitspec.net import free_port
 
-DRAFTERS = ("dflash", "draft_model", "ngram", "none")
+DRAFTERS = ("dflash", "eagle3", "draft_model", "ngram", "auto", "none")
 DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "demo"
 READY_LINE = "splitspec up: ready at {address}"
 GATEWAY_LINE = "OpenAI API at {url}"
@@ -57,9 +58,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("up", help="run the target and a drafter on the bundled demo pair (CPU)",
                        description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--drafter", default="dflash", choices=DRAFTERS, help="drafter kind (none: no speculation)")
+    p.add_argument("--drafter", default="dflash", choices=DRAFTERS,
+                   help="drafter kind (auto: from --draft-model's config; none: no speculation)")
     p.add_argument("--models", type=Path, default=DEFAULT_MODELS,
-                   help="folder with target/, dflash/, draft_model/ (scripts/train_demo.py writes it)")
+                   help="folder with target/, dflash/, draft_model/, eagle3/ (scripts/train_demo.py writes the "
+                        "first three)")
+    p.add_argument("--target-model", type=Path, default=None,
+                   help="your own target checkpoint folder (Qwen3, Llama, Qwen2), instead of --models/target")
+    p.add_argument("--draft-model", type=Path, default=None,
+                   help="your own drafter checkpoint folder (DFlash, EAGLE-3 in either layout, a draft LM), "
+                        "instead of --models/<drafter>")
     p.add_argument("--host", default="127.0.0.1", help="the target's public address (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=50051, help="the target's public port (0: any free port)")
     p.add_argument("--draft-port", type=int, default=50061, help="the drafter's port on 127.0.0.1 (0: any)")
@@ -254,14 +262,24 @@ def wait_handshake(target: Child, address: str, deadline: float):
 # The command
 
 
-def model_dirs(models: Path, drafter: str) -> tuple[Path, Path | None]:
-    """(target folder, draft checkpoint folder or None); a clear error when missing."""
-    target = models / "target"
-    draft = {"dflash": models / "dflash", "draft_model": models / "draft_model"}.get(drafter)
-    for folder in (target, draft):
+def model_dirs(models: Path, drafter: str, target_model: Path | None = None,
+               draft_model: Path | None = None) -> tuple[Path, Path | None]:
+    """(target folder, draft checkpoint folder or None): the folders given, else the demo
+    folder's; a clear error when missing."""
+    target = target_model or models / "target"
+    draft = None
+    if drafter in ("dflash", "eagle3", "draft_model", "auto"):
+        draft = draft_model or models / drafter
+    if drafter == "auto" and draft_model is None:
+        raise UpError("--drafter auto tells the kind from --draft-model's config: pass --draft-model DIR")
+    if drafter == "eagle3" and draft_model is None and not (draft / "config.json").is_file():
+        raise UpError(f"no EAGLE-3 head in {draft} (the demo recipe trains none): pass --draft-model DIR")
+    for folder, given in ((target, target_model), (draft, draft_model)):
         if folder is not None and not (folder / "config.json").is_file():
-            raise UpError(f"no checkpoint in {folder}: train the demo pair with "
-                          f"`{command_path('python')} scripts/train_demo.py` or pass --models DIR")
+            hint = ("check the folder" if given is not None else
+                    f"train the demo pair with `{command_path('python')} scripts/train_demo.py`, pass --models DIR, "
+                    "or --target-model / --draft-model")
+            raise UpError(f"no checkpoint in {folder}: {hint}")
     return target, draft
 
 
@@ -366,7 +384,7 @@ class Stack:
 
 def bring_up(args: argparse.Namespace, stack: Stack) -> str:
     """Start both services and wait until they are ready; the target's client address."""
-    target_dir, draft_dir = model_dirs(args.models, args.drafter)
+    target_dir, draft_dir = model_dirs(args.models, args.drafter, args.target_model, args.draft_model)
     env = child_env()
     deadline = time.monotonic() + args.startup_timeout
     drafter_address = None

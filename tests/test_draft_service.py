@@ -33,6 +33,7 @@ from draft_service.drafters.ngram import ngram_lookup
 from splitspec.v1 import drafter_pb2 as dpb
 from splitspec.v1 import drafter_pb2_grpc as dpb_grpc
 from splitspec.v1 import kv_layout_pb2 as kv_pb
+from tests.eagle3_reference import HeadShape, build_reference, save_speculators
 from tests.procs import TOKEN, Service, free_port, pool_files, private_shm_dir, scrape_metrics
 from tests.tiny_models import PROMPTS, make_qwen3, qwen3_config
 
@@ -54,6 +55,7 @@ class Checkpoints:
     target: Path
     draft: Path
     dflash: Path
+    eagle3: Path
     vocab_size: int
     mask_token_id: int
     fingerprint: str
@@ -83,8 +85,10 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
     draft = make_qwen3(root / "draft", seed=1, num_hidden_layers=1)
     tokenizer = AutoTokenizer.from_pretrained(target)
     dflash = make_dflash(root / "dflash", len(tokenizer), tokenizer.mask_token_id)
+    # the 2-layer target has one state an EAGLE-3 head may read: the one entering layer 1
+    eagle3 = save_speculators(build_reference(HeadShape(aux_layer_ids=(1,)), target), root / "eagle3", target)
     fingerprint = Qwen3ForCausalLM.from_pretrained(target, torch.float32, "cpu").fingerprint()
-    return Checkpoints(target, draft, dflash, len(tokenizer), tokenizer.mask_token_id, fingerprint)
+    return Checkpoints(target, draft, dflash, eagle3, len(tokenizer), tokenizer.mask_token_id, fingerprint)
 
 
 # ---------------------------------------------------------------- drafter processes
@@ -120,6 +124,11 @@ def drafters(checkpoints, tmp_path_factory, drafters_shm_dir):
         "dflash": start_drafter(
             "dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target)],
             root / "dflash.log", token_file, drafters_shm_dir,
+        ),
+        "eagle3": start_drafter(
+            "eagle3", ["--model", str(checkpoints.eagle3), "--target-model", str(checkpoints.target), "--dtype",
+                       "float32"],  # the reference's drafts are compared at float32
+            root / "eagle3.log", token_file, drafters_shm_dir,
         ),
     }
     try:
@@ -295,7 +304,7 @@ def test_auto_kind_comes_from_the_checkpoint_architectures(checkpoints):
 # ---------------------------------------------------------------- every kind
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model", "dflash"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "dflash", "eagle3"])
 def test_health_reflection_and_auth(kind, drafters):
     with grpc.insecure_channel(drafters[kind].address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -313,17 +322,17 @@ def test_health_reflection_and_auth(kind, drafters):
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model", "dflash"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "dflash", "eagle3"])
 def test_negotiate_then_propose_before_attach_is_failed_precondition(kind, target_for):
     fake = target_for(kind)
     answer = fake.negotiate()
     expected_kind = {"ngram": dpb.DRAFTER_KIND_NGRAM, "draft_model": dpb.DRAFTER_KIND_DRAFT_MODEL,
-                     "dflash": dpb.DRAFTER_KIND_DFLASH}[kind]
+                     "dflash": dpb.DRAFTER_KIND_DFLASH, "eagle3": dpb.DRAFTER_KIND_EAGLE3}[kind]
     assert answer.kind == expected_kind and answer.num_speculative_tokens == K
     assert set(answer.supported_orders) == {kv_pb.PAGE_ORDER_NHD, kv_pb.PAGE_ORDER_HND}
     assert all(spec.owner == kv_pb.LAYER_OWNER_DRAFT for spec in answer.layers)
-    assert len(answer.layers) == {"ngram": 0, "draft_model": 1, "dflash": 2}[kind]
-    assert list(answer.target_layer_ids) == ([0, 1] if kind == "dflash" else [])
+    assert len(answer.layers) == {"ngram": 0, "draft_model": 1, "dflash": 2, "eagle3": 1}[kind]
+    assert list(answer.target_layer_ids) == {"dflash": [0, 1], "eagle3": [0]}.get(kind, [])
     error = rpc_error(lambda: fake.propose(0, [fake.update(Seq(1), [5, 6, 7], 8)]))
     assert error.code() == FAILED_PRECONDITION
     assert error.details().startswith(LAYOUT_NOT_RESOLVED), error.details()
@@ -339,6 +348,11 @@ def test_incompatible_targets_are_failed_precondition_naming_both_values(target_
     assert error.code() == FAILED_PRECONDITION
     assert "hidden_size: target 96, drafter 64" in error.details()
     assert f"target 0123456789abcdef, drafter {checkpoints.fingerprint}" in error.details()
+
+    error = rpc_error(lambda: target_for("eagle3").negotiate(vocab_size=600, num_layers=1))
+    assert error.code() == FAILED_PRECONDITION
+    assert f"vocab_size: target 600, drafter {vocab}" in error.details()
+    assert "eagle_aux_hidden_state_layer_ids [1]" in error.details()
 
     error = rpc_error(lambda: target_for("draft_model").negotiate(supported_orders=[kv_pb.PAGE_ORDER_UNSPECIFIED]))
     assert error.code() == FAILED_PRECONDITION and "order" in error.details()
@@ -589,3 +603,51 @@ def test_dflash_proposals_equal_the_reference(target_for, dflash_reference, toke
     bad = fake.update(Seq(9), [1, 2, 3], 4, staging_row=STAGING_ROWS - 2)
     error = rpc_error(lambda: fake.propose(1, [bad]))
     assert error.code() == INVALID_ARGUMENT and "sequences[0].staging_row" in error.details()
+
+
+# ---------------------------------------------------------------- eagle3
+
+
+def test_eagle3_proposals_equal_the_reference(target_for, dflash_reference, tokenizer, checkpoints):
+    """Over gRPC, with the features in the pool's staging rows: speculators' drafts, before and
+    after the context grows (the staging rows reused in between)."""
+    from tests.eagle3_reference import build_reference
+
+    target, _ = dflash_reference
+    reference = build_reference(HeadShape(aux_layer_ids=(1,)), checkpoints.target)  # the saved head's weights
+    embed = target.get_input_embeddings()
+
+    def features(tokens: list[int]) -> torch.Tensor:  # [T, 64]: the state entering layer 1
+        with torch.no_grad():
+            return target(torch.tensor([tokens]), output_hidden_states=True).hidden_states[1][0]
+
+    def expected(s: Seq) -> list[int]:
+        return reference.drafts(features(s.tokens[:-1]), s.tokens[1:], K, embed=embed)
+
+    fake = target_for("eagle3")
+    fake.negotiate()
+    fake.attach(epoch=1)
+    staging = fake.pool.staging()
+    seqs = [Seq(0), Seq(1)]
+    updates, row = [], 0
+    for s, i in zip(seqs, (0, 3)):
+        p = tokenizer.encode(PROMPTS[i])
+        staging[row : row + len(p) - 1] = features(p[:-1])
+        updates.append(fake.update(s, p[:-1], p[-1], staging_row=row))
+        row += len(p) - 1
+    drafts = fake.propose(1, updates)
+    assert {s.seq_id: expected(s) for s in seqs} == drafts
+
+    staging.fill_(float("nan"))
+    updates = []
+    for s, accepted, row in ((seqs[0], drafts[0][:2], 40), (seqs[1], [], 2)):
+        new_context = [s.tokens[-1], *accepted]
+        staging[row : row + len(new_context)] = features(s.tokens[:-1] + new_context)[-len(new_context):]
+        updates.append(fake.update(s, new_context, 11, staging_row=row))
+    drafts = fake.propose(1, updates)
+    assert {s.seq_id: expected(s) for s in seqs} == drafts
+
+    bad = fake.update(Seq(9), [1, 2, 3], 4, staging_row=STAGING_ROWS - 2)
+    error = rpc_error(lambda: fake.propose(1, [bad]))
+    assert error.code() == INVALID_ARGUMENT and "sequences[0].staging_row" in error.details()
+    assert fake.propose(1, [fake.update(seqs[0], [11], 12, staging_row=0)]) is not None  # still serving

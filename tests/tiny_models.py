@@ -54,9 +54,9 @@ def make_reference_dflash(
     return out_dir
 
 
-def make_llama_family(out_dir: Path, model_type: str) -> Path:
+def make_llama_family(out_dir: Path, model_type: str, **overrides) -> Path:
     """A tiny random LlamaForCausalLM (llama3 rope, biased attention, tied embeddings) or
-    Qwen2ForCausalLM (q/k/v bias), saved like make_qwen3."""
+    Qwen2ForCausalLM (q/k/v bias), saved like make_qwen3; `overrides` replace config fields."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = make_tokenizer(out_dir)
@@ -72,6 +72,7 @@ def make_llama_family(out_dir: Path, model_type: str) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
+    fields.update(overrides)
     if model_type == "llama":
         rope = dict(
             rope_type="llama3",

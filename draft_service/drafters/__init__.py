@@ -1,4 +1,4 @@
-"""The drafters: DFlash (block diffusion), a small draft LM, and n-gram prompt lookup.
+"""The drafters: DFlash (block diffusion), EAGLE-3 heads, a small draft LM, and n-gram prompt lookup.
 
 `DrafterConfig` is what the command line asks for; `load_drafter` builds it (models
 load here, so call it off the event loop).
@@ -34,7 +34,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    kind: str = "auto"  # auto | dflash | draft_model | ngram
+    kind: str = "auto"  # auto | dflash | eagle3 | draft_model | ngram
     model: str | None = None
     target_model: str | None = None
     num_speculative_tokens: int | None = None  # None: 8, or block_size - 1 for DFlash
@@ -50,7 +50,7 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.kind not in ("auto", *KINDS):
             raise ValueError(f"kind must be auto or one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind in ("dflash", "draft_model") and not self.model:
+        if self.kind in ("dflash", "eagle3", "draft_model") and not self.model:
             raise ValueError(f"--model is required for kind {self.kind}")
         if self.num_speculative_tokens is not None:
             check_num_speculative_tokens(self.num_speculative_tokens)
@@ -64,17 +64,21 @@ class DrafterConfig:
 
 
 def resolve_kind(kind: str, model: str | None) -> str:
-    """`auto`: ngram without a model, else from the checkpoint's config.json architectures."""
+    """`auto`: ngram without a model, else from the checkpoint's config.json (its architectures,
+    or speculators' `speculators_model_type`)."""
     if kind != "auto":
         return kind
     if not model:
         return "ngram"
     from common.weights import resolve_model_path
+    from draft_service.eagle3_model import eagle3_layout
 
-    config_file = resolve_model_path(model) / "config.json"
-    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    raw = json.loads((resolve_model_path(model) / "config.json").read_text())
+    architectures = raw.get("architectures") or []
     if "DFlashDraftModel" in architectures:
         return "dflash"
+    if eagle3_layout(raw) is not None:
+        return "eagle3"
     if any(name.endswith("ForCausalLM") for name in architectures):
         return "draft_model"
     raise ValueError(f"cannot tell the drafter kind of {model} from its architectures {architectures}; pass --kind")
@@ -93,6 +97,17 @@ def cpu_drafter_dtype() -> torch.dtype:
     return torch.bfloat16 if native_cpu_bf16() else torch.float32
 
 
+def _model_config(kind: str, model: str):
+    """The transformers config of the drafter's layers (an EAGLE-3 head keeps it inside its own)."""
+    from common.weights import load_config, resolve_model_path
+
+    if kind == "eagle3":
+        from draft_service.eagle3_model import read_eagle3_config
+
+        return read_eagle3_config(resolve_model_path(model)).layer_config
+    return load_config(model)
+
+
 def load_drafter(config: DrafterConfig) -> Drafter:
     kind = resolve_kind(config.kind, config.model)
     cache = CacheConfig(cache_dtype=config.kv_cache_dtype, shm_dir=config.shm_dir)
@@ -101,11 +116,14 @@ def load_drafter(config: DrafterConfig) -> Drafter:
         from draft_service.drafters.ngram import NgramDrafter
 
         return NgramDrafter(cache, k or DEFAULT_NUM_SPECULATIVE_TOKENS, config.ngram_min, config.ngram_max)
-    from common.weights import load_config
-
     dtype = resolve_model_dtype(config.dtype, torch.device(config.device),
-                                lambda: config_dtype(load_config(config.model)), cpu_drafter_dtype())
-    if kind == "draft_model":
+                                lambda: config_dtype(_model_config(kind, config.model)), cpu_drafter_dtype())
+    if kind == "eagle3":
+        from draft_service.drafters.eagle3 import Eagle3Drafter
+
+        drafter = Eagle3Drafter.load(config.model, config.target_model, cache, dtype, config.device,
+                                     k or DEFAULT_NUM_SPECULATIVE_TOKENS, config.attention_backend)
+    elif kind == "draft_model":
         from draft_service.drafters.draft_model import DraftModelDrafter
 
         k = k or DEFAULT_NUM_SPECULATIVE_TOKENS

@@ -26,7 +26,7 @@ from common.kv_layout import ORDERS, CacheConfig, KVLayout, LayerSpec
 from common.kv_pool import PagePool
 from common.pool_transport import TorchBuild, sync_for_handoff
 
-KINDS = ("dflash", "draft_model", "ngram")
+KINDS = ("dflash", "eagle3", "draft_model", "ngram")
 DEFAULT_NUM_SPECULATIVE_TOKENS = defaults.NUM_SPECULATIVE_TOKENS
 WARMUP_CONTEXT = 3  # context tokens of the scratch sequence a warm-up drafts for
 

@@ -6,7 +6,7 @@ server copies them out first thing, and `propose` writes their context K/V into 
 draft layers' pages once. The query block `[last token, mask x K]` then drafts K tokens.
 
 The drafter borrows the target's embedding and lm_head: only those two tensors are read
-from the target checkpoint (`load_target_heads`), never the whole target.
+from the target checkpoint (`draft_service/target_heads.py`), never the whole target.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ import itertools
 import logging
 
 import torch
-from torch import nn
 
 from common.attention_metadata import AttentionMetadata, slot_of
 from common.compiled_forward import CompileConfig
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
-from common.weights import load_config, resolve_model_path, safetensors_files
 from draft_service.dflash_model import DFlashDraftModel, NewContext, TargetHeads
 from draft_service.drafters.base import (
     WARMUP_CONTEXT,
@@ -33,58 +31,13 @@ from draft_service.drafters.base import (
     mismatch,
     raise_mismatches,
 )
+from draft_service.target_heads import load_target_heads
 
 log = logging.getLogger(__name__)
 
 # Rows a sequence may hold before its context K/V is written even though it drafts no
 # more (bounds the drafter's memory: 256 rows of 3 target layers x 256 floats are 768 KB).
 MAX_HELD_ROWS = 256
-
-EMBED_NAME = "model.embed_tokens.weight"
-LM_HEAD_NAME = "lm_head.weight"
-
-
-def _read_tensors(folder, names: set[str]) -> dict[str, torch.Tensor]:
-    """Just the named tensors, from whichever safetensors file holds them (lazy reads)."""
-    from safetensors import safe_open
-
-    found: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in names.intersection(f.keys()) - found.keys():
-                found[name] = f.get_tensor(name)
-    return found
-
-
-def load_target_heads(path: str, dtype: torch.dtype, device: torch.device | str) -> Qwen3ForCausalLM:
-    """A target model whose embedding and lm_head are real and whose layers stay on "meta".
-
-    Built as `Qwen3ForCausalLM` so that `fingerprint()`, `embed()` and `compute_logits()`
-    are the target's own code; tied embeddings share one tensor, as in the target.
-    """
-    folder = resolve_model_path(path)
-    config = load_config(folder)
-    with torch.device("meta"):
-        heads = Qwen3ForCausalLM(config)
-    tied = heads.args.tie_word_embeddings
-    wanted = {EMBED_NAME} if tied else {EMBED_NAME, LM_HEAD_NAME}
-    tensors = _read_tensors(folder, wanted)
-    missing = sorted(wanted - tensors.keys())
-    if missing:
-        raise ValueError(f"target checkpoint {folder} lacks {', '.join(missing)}")
-    embed = nn.Parameter(tensors[EMBED_NAME].to(device=device, dtype=dtype), requires_grad=False)
-    heads.model.embed_tokens.weight = embed
-    if tied:
-        heads.lm_head.weight = embed
-    else:
-        heads.lm_head.weight = nn.Parameter(tensors[LM_HEAD_NAME].to(device=device, dtype=dtype), requires_grad=False)
-    expected = (heads.args.vocab_size, heads.args.hidden_size)
-    for name, weight in (("embedding", heads.model.embed_tokens.weight), ("lm_head", heads.lm_head.weight)):
-        if tuple(weight.shape) != expected:
-            shape = tuple(weight.shape)
-            raise ValueError(f"target checkpoint {folder}: {name} has shape {shape}, the config implies {expected}")
-    return heads.eval()
-
 
 class DFlashDrafter(PooledDrafter):
     kind = "dflash"

@@ -14,10 +14,12 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_DFLASH: _ClassVar[DrafterKind]
     DRAFTER_KIND_DRAFT_MODEL: _ClassVar[DrafterKind]
     DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
+    DRAFTER_KIND_EAGLE3: _ClassVar[DrafterKind]
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_DFLASH: DrafterKind
 DRAFTER_KIND_DRAFT_MODEL: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
+DRAFTER_KIND_EAGLE3: DrafterKind
 
 class TargetFacts(_message.Message):
     __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "fingerprint", "supported_orders", "preferred_order", "kv_dtype", "page_size", "max_num_seqs", "max_tokens_per_step", "device_type", "device_uuid", "max_model_len", "torch_version", "cuda_version")
