@@ -13,7 +13,6 @@ from tests.tiny_models import TARGET_LAYERS, make_pair
 # What makes a test module `stack`: it starts processes, through these helpers or the stdlib.
 PROCESS_HELPERS = (procs.Service, procs.served_target, procs.served_drafter, procs.client_cmd, procs.start_target,
                    subprocess, multiprocessing)
-PROCESS_FIXTURES = {"served_tiny_target"}
 
 
 def pytest_configure(config):
@@ -89,18 +88,9 @@ def speculative_engine(shm_dir):
         core.close()
 
 
-@pytest.fixture(scope="module")
-def served_tiny_target(target_model, tmp_path_factory):
-    """A target process serving `target_model` without a drafter (shared by a module's tests)."""
-    log = tmp_path_factory.mktemp("served-target") / "target.log"
-    with procs.served_target(target_model, log) as service:
-        yield service
-
-
 def _starts_processes(item: pytest.Item) -> bool:
     module_globals = vars(item.module).values() if item.module is not None else ()
-    return (any(value is helper for value in module_globals for helper in PROCESS_HELPERS)
-            or not PROCESS_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+    return any(value is helper for value in module_globals for helper in PROCESS_HELPERS)
 
 
 def pytest_collection_modifyitems(config, items):
