@@ -1,10 +1,10 @@
-# The two commands a newcomer needs: `make up` (run the stack) and `make test`.
+# The two commands a newcomer needs: `make up` (run the stack) and `make test`; `make test-fast` while editing.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DRAFTER ?= dflash
 
-.PHONY: setup up test protos bench clean
+.PHONY: setup up test test-fast protos bench clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ test: setup
 	@scripts/test_prereqs.sh
 	@echo "make test: the whole suite takes about 15 minutes on 2 CPU cores (tests/test_soak.py alone: 1-5 min)"
 	$(BIN)/python -m pytest -v -ra --durations=20
+
+# The pure tests: no service process or subprocess (marked `stack` by tests/conftest.py), none marked `slow`
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not stack and not slow" --durations=5
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

@@ -33,7 +33,7 @@ from common.pool_transport import (
 from common.shm_channel import ChannelServer, ErrorStatus, Handler
 from common.shm_file import PoolAccessDenied
 from draft_service.drafters import Drafter, TargetInfo, Update
-from draft_service.drafters.base import mismatch, raise_mismatches
+from draft_service.drafters.base import DraftSequence, mismatch, raise_mismatches
 from draft_service.metrics import DrafterMetrics
 
 log = logging.getLogger(__name__)
@@ -342,7 +342,7 @@ class DrafterHost:
         for update, new_rows in zip(updates, rows):
             seq = drafter.update(update)
             if seq is not None:
-                items.append((seq, new_rows, self._num_drafts(drafter, update, seq.last_position)))
+                items.append((seq, new_rows, self._num_drafts(drafter, update, seq)))
         self.metrics.propose_batch.observe(sum(1 for _, _, k in items if k > 0))
         try:
             drafts = drafter.propose(items)
@@ -354,10 +354,12 @@ class DrafterHost:
         self.metrics.draft_tokens.inc(sum(len(t) for t in drafts.values()))
         return drafts
 
-    def _num_drafts(self, drafter: Drafter, update: Update, last_position: int) -> int:
-        k = min(update.num_speculative_tokens, drafter.num_speculative_tokens)
+    def _num_drafts(self, drafter: Drafter, update: Update, seq: DraftSequence) -> int:
+        """The drafter side's one bound on k: what the target asked, the drafter's K, the model
+        length and the KV slots the sequence's pages hold (`Drafter.draft_room`)."""
+        k = min(update.num_speculative_tokens, drafter.num_speculative_tokens, drafter.draft_room(seq))
         if self.max_model_len:
-            k = min(k, self.max_model_len - 1 - last_position)
+            k = min(k, self.max_model_len - 1 - seq.last_position)
         return max(k, 0)
 
     @staticmethod

@@ -17,16 +17,13 @@ tokens per second beat those of a step without drafts:
   monotone and piecewise linear between measured widths).
 - propose(W): the measured `Propose` round trip by draft positions asked (n·(k+1)),
   transport included, in steady state (every sequence drafted last step too).
-- catch-up: a step without drafts sends no Propose (speculation.py defers its context to
-  the next one that asks for drafts), so the first drafting step after a stretch of none,
-  or after a prompt, makes the drafter catch up on that context: seconds per row, learnt
-  from those Proposes, times each drafting sequence's rows spread over the steps it may
-  still draft (at most `catch_up_horizon`). It is what makes resuming drafts dear at a
-  large batch whose sequences have gone long without them.
+- catch-up: a step without drafts sends no Propose, so the first drafting step after a
+  stretch of none makes the drafter catch up on that context: seconds per row (learnt from
+  those Proposes) times each sequence's rows, spread over the steps it may still draft.
 
 Only how many drafts are asked changes: the accept/reject rule is untouched, so the
-output is the same whatever the policy decides. `fixed` always asks for K (the policy
-before this one).
+output is the same whatever the policy decides. `fixed` always asks for K. The measurements
+behind each rule below: docs/performance.md#the-adaptive-policys-rules.
 """
 
 from __future__ import annotations
@@ -61,9 +58,8 @@ def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_t
     if max_k <= 0 or num_seqs <= 0:
         return 0
     # Prefill chunks in the step (base_tokens beyond one per decoding sequence) are work it does
-    # whatever k: their time is not the decoding sequences' and is left out of every rate, so
-    # drafts are judged against decoding alone. Counted in, a 20 ms step with a 100-token
-    # prefill made a 5 ms Propose look cheap, and a batch of 8 probed drafts that never paid.
+    # whatever k: left out of every rate, so drafts are judged against decoding alone (counted
+    # in, a long prefill makes a Propose look cheap).
     step = forward_seconds(base_tokens)
     if not math.isfinite(step):
         return 0  # a step wider than any priced (CostTable.reach): drafts cannot be priced against it
@@ -90,15 +86,11 @@ def choose_num_drafts(acceptance: list[float], max_k: int, num_seqs: int, base_t
 class AcceptanceEstimate:
     """p_j per draft position from discounted counts, with how sure each one is.
 
-    Each verified sequence adds a trial at positions 1..accepted+1 (a hit at the accepted
-    ones, a miss at the first rejected; later positions were not tried, so they say nothing
-    about p_j conditioned on the earlier ones). Every decision discounts all counts by
-    1 − 1/`window` (`age`), so what was seen long ago, or at a batch that no longer runs,
-    fades and a position nobody tried for a while becomes uncertain again. A position's
-    estimate is its hits over its trials, shrunk toward the rate pooled over all positions
-    by `strength` pseudo-trials (the pooled rate itself toward `prior`), so a position tried
-    a few times is not taken at its word. `optimistic()` adds `z` standard errors: what
-    a probe tests (draft_policy.DraftPolicy)."""
+    A verified sequence adds a trial at positions 1..accepted+1 (hits at the accepted, a miss
+    at the first rejected; later positions were not tried). Every decision discounts all
+    counts by 1 − 1/`window`, so old evidence fades and doubt returns. A position's estimate
+    is shrunk toward the pooled rate by `strength` pseudo-trials (the pooled rate toward
+    `prior`); `optimistic()` adds `z` standard errors: what a probe tests."""
 
     max_k: int
     window: float = 256.0  # decisions for a count to fade to 1/e
@@ -160,28 +152,14 @@ class CostTable:
     """Seconds by a width (query tokens, draft positions): the median of each measured
     width's last `window` samples.
 
-    A median, not a running mean: a stall (the scheduler, a page fault, another process)
-    is one sample among `window` and moves nothing, where an EWMA had lifted a verify width
-    measured during one by 20% and, once that width looked dear, never measured it again
-    (the demo pair's policy then asked for 7 drafts where 8 paid).
-
-    Estimates are monotone in the width (a wider step never looks cheaper than a narrower
-    one, so noise cannot make drafts look free): the isotonic fit of the per-width medians,
-    each weighted by how many samples it holds (up to `max_weight`), so a width measured
-    once, perhaps on its first call, yields to the widths measured all along instead of
-    dragging them to its value. The widest width has no wider one to pool with: measured
-    only on its first, slow calls, the demo pair's width-9 verify stood 20% above width 8
-    and k=8 was never chosen again, so the policy probes such a width until it is measured
-    `max_weight` times (DraftPolicy.decide).
-
-    A width is never drawn toward its neighbours' line: the line of batch-1 verifies
-    priced a batch of 8's verify at 4.3 ms where it takes 6.6, and the split then drafted
-    at concurrency 8 at 0.68× target-only. Between measured widths the fit is linear; below
-    the narrowest it is flat; beyond the widest it is extended by the last slope, or by
-    `prior_slope` × (seconds per unit of the widest) when only one is known. Past `reach` ×
-    the widest nothing is extrapolated (infinite cost): a batch eight times the size of any
-    measured is not priced from a slope fitted at batch 1, so the policy widens its steps
-    gradually, each new width measured before a wider one is tried."""
+    A median, not a running mean, so one stall moves nothing. Estimates are monotone in the
+    width (noise cannot make drafts look free): the isotonic fit of the per-width medians,
+    each weighted by its samples (up to `max_weight`), so a width measured once yields to
+    those measured all along; the policy probes a width until it holds `max_weight` samples
+    (DraftPolicy.decide). Between measured widths the fit is linear, below the narrowest flat,
+    beyond the widest extended by the last slope (or `prior_slope` × the widest's seconds per
+    unit when only one is known); past `reach` × the widest it is infinite, so the policy
+    widens its steps gradually, each width measured before a wider one is tried."""
 
     window: int = 9
     prior_slope: float = 0.15
@@ -267,13 +245,9 @@ class BatchCostTables:
     """Forward seconds by batch size (decoding sequences) and width (query tokens): one
     `CostTable` per batch size.
 
-    A width's cost depends on how many sequences share it: each brings its own attention
-    over its own context and its own per-sequence work. Keyed by width alone, the table
-    priced a batch of 8 with one draft each (width 16) from concurrency 1's verifies, 4.4 ms
-    (flat past width 9), where it takes ~8 ms; the policy then drafted whole batches of 8,
-    each step also catching the drafter up on eight prompts, until the measurements stopped
-    it (two compare runs at 0.86 and 0.92 of target-only). A batch size measured nowhere is
-    therefore not priced at all (`DraftPolicy.decide` measures its plain step first)."""
+    A width's cost depends on how many sequences share it (each brings its own attention over
+    its own context), so a batch size is never priced from another's widths; one measured
+    nowhere is not priced at all (`DraftPolicy.decide` measures its plain step first)."""
 
     max_batches: int = 1024  # batch sizes are bounded by max_num_seqs; this bounds the tables regardless
     window: int = 9
@@ -313,18 +287,12 @@ class Decision:
 class DraftPolicy:
     """Decides k per step from what the engine measured; `fixed` always answers max_k.
 
-    Exploration is optimism under uncertainty: when a probe is due, the k the batch would
-    choose if each p_j were `z` standard errors higher (AcceptanceEstimate.optimistic) is
-    compared with the k chosen; when it is larger, one sequence drafts it (the probe) and
-    its verify teaches the positions nobody tried. A drafter, content or batch size where
-    even that does not pay is not probed at all: at a large batch, where the known
-    acceptance leaves drafts far from paying, the engine runs as if it had no drafter until
-    the counts fade (`AcceptanceEstimate.window`) and doubt returns. Probes are due every
-    `probe_every` decisions while drafts pay; while none do, each probe doubles the gap to
-    the next, up to `max_probe_every` (positions past a rejected first draft are never
-    tried, so their doubt never shrinks: without the backoff a useless drafter would be
-    probed every few steps forever). k = 0 is never forever, and a drafter that never pays
-    costs next to nothing."""
+    Exploration is optimism under uncertainty: when a probe is due and the k chosen with
+    each p_j `z` standard errors higher is larger, one sequence drafts it and its verify
+    teaches the positions nobody tried; where even that does not pay, nothing is probed.
+    Probes are due every `probe_every` decisions while drafts pay; while none do, each probe
+    doubles the gap, up to `max_probe_every`, so k = 0 is never forever and a drafter that
+    never pays costs next to nothing."""
 
     max_k: int
     adaptive: bool = True
@@ -357,11 +325,12 @@ class DraftPolicy:
     def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0,
                batch_seqs: int | None = None) -> Decision:
         """k for this step's `num_seqs` decoding sequences that may draft; `base_tokens`: the step's
-        query tokens without drafts; `max_k`: the most drafts anyone may ask for now (≤ the
-        policy's K); `catch_up_rows`: context rows the drafter would catch up on, each divided
+        query tokens without drafts; `max_k`: the most drafts anyone may ask for now, as the
+        caller bounded it (Speculation.draft_limit; at most the policy's K); `catch_up_rows`: context rows the drafter would catch up on, each divided
         by the steps its sequence may still draft (`amortized_rows`); `batch_seqs`: the step's
         sequences in all, drafting or not (default `num_seqs`), whose cost table prices it."""
-        max_k = min(max_k, self.max_k)
+        if max_k > self.max_k:
+            raise ValueError(f"max_k {max_k} exceeds the policy's K {self.max_k}: the caller bounds k")
         if not self.adaptive or max_k <= 0:
             return Decision(max(max_k, 0))
         self.acceptance.age()
@@ -371,8 +340,7 @@ class DraftPolicy:
         if not forward.known or forward.below_measured(base_tokens):
             # A batch size never measured is not priced from another's widths (BatchCostTables),
             # and a step without drafts narrower than any measured would be priced as the narrowest
-            # measured (an upper bound): drafts would look free. Measure it once first (a batch
-            # of 8 that had only drafted was priced 14.9 ms a step without drafts; it takes 5.3).
+            # measured (an upper bound): drafts would look free. Measure it once first.
             return Decision(0)
         catch_up = catch_up_rows * (self.catch_up_per_row or 0.0)
         k = self._best_k(forward, self.acceptance.values, num_seqs, base_tokens, max_k, catch_up)

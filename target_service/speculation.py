@@ -20,7 +20,6 @@ import torch
 
 from common.pool_transport import sync_for_handoff
 from splitspec.v1 import drafter_pb2 as dpb
-from target_service.api_types import EngineRequest
 from target_service.draft_policy import Decision, DraftPolicy
 from target_service.drafter_link import DrafterLink, describe_rpc_error
 from target_service.handshake import SharedPool
@@ -207,17 +206,16 @@ class Speculator:
     def follows(self, seq: Sequence) -> bool:
         return self.link.ready and seq.drafter_epoch == self.epoch
 
-    def drafts_allowed(self) -> int:
-        """The most drafts any sequence may ask for: the server's K, capped by the drafter's."""
-        if not self.link.ready or self.link.facts is None:
+    def draft_limit(self, seq: Sequence, drafter_k: int) -> int:
+        """The target side's one bound on k: the most drafts `seq` may ask for this step, under the
+        server's K, the drafter's (`drafter_k`), its request's own, the model length and its
+        max_tokens (the bonus token emitted with the drafts counts)."""
+        speculation = seq.request.speculation
+        if speculation.disable:
             return 0
-        return min(self.server_k, self.link.facts.num_speculative_tokens)
-
-    @staticmethod
-    def num_drafts_for(request: EngineRequest, allowed: int) -> int:
-        if request.speculation.disable:
-            return 0
-        return min(request.speculation.num_speculative_tokens or allowed, allowed)
+        tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
+        return min(self.server_k, drafter_k, speculation.num_speculative_tokens or self.server_k,
+                   self.max_model_len - seq.num_tokens, tokens_left - 1)
 
     def lookahead(self, running: list[Sequence], metrics: TargetMetrics) -> dict[int, int]:
         """Draft slots to reserve for each decoding sequence the drafter follows.
@@ -231,19 +229,18 @@ class Speculator:
             if self.link.ready:
                 metrics.batch_disabled_steps.inc()
             return {}
-        allowed = self.drafts_allowed()
-        if not allowed:
+        if not self.link.ready or self.link.facts is None:
             return {}
+        drafter_k = self.link.facts.num_speculative_tokens
         limits = {}
         catch_up_rows = 0.0
         epoch = self.epoch  # follows(seq), once per step rather than per sequence
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or seq.drafter_epoch != epoch:
                 continue
-            tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
-            k = min(self.num_drafts_for(seq.request, allowed), self.max_model_len - seq.num_tokens, tokens_left - 1)
-            if k > 0:
+            if (k := self.draft_limit(seq, drafter_k)) > 0:
                 limits[seq.seq_id] = k
+                tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
                 catch_up_rows += self.policy.amortized_rows(self._behind.get(seq.seq_id, 0), tokens_left)
         if not limits:
             return {}
@@ -362,10 +359,9 @@ class Speculator:
 
     def record_acceptance(self, scheduled: list[ScheduledSeq], accepted: dict[int, int]) -> None:
         """What the policy learns from a step: every sequence asked for k drafts, with the drafts
-        it got accepted (`accepted`, by seq id). Asked is what counts, not what came back: an
-        n-gram drafter that finds no match returns none, and learning only from the sequences it
-        drafted for priced 16 asks as 16 drafted sequences (at concurrency 16 it drafted for a
-        few, the verify cost all, and the run was 12% slower than no drafts)."""
+        it got accepted (`accepted`, by seq id). Asked is what counts, not what came back: the
+        verify costs every ask, so an empty answer (an n-gram drafter without a match) is a miss
+        (why: docs/performance.md#the-adaptive-policys-rules)."""
         for s in scheduled:
             if s.num_lookahead_tokens and self.follows(s.seq):
                 self.policy.record_verify(s.num_lookahead_tokens, accepted.get(s.seq.seq_id, 0))

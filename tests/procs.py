@@ -121,13 +121,18 @@ def private_shm_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="splitspec-test-", dir=base))
 
 
+def start_target(model: Path, shm_dir: Path, log_path: Path, *args: str) -> Service:
+    """A target process serving `model` on any free port with its pool in `shm_dir` (started, not awaited)."""
+    return Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), *args],
+                   log_path)
+
+
 @contextlib.contextmanager
 def served_target(model: Path, log_path: Path, *args: str) -> Iterator[Service]:
     """A target process on a private shm dir, SERVING; on exit it must stop cleanly and
     leave no pool file behind."""
     shm = private_shm_dir()
-    proc = Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(shm), *args],
-                   log_path)
+    proc = start_target(model, shm, log_path, *args)
     try:
         proc.wait_serving()
         yield proc

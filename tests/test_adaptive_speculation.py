@@ -9,18 +9,18 @@ this machine's timing. The acceptance is real: a draft model that is the target 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from common.kv_layout import CacheConfig
-from draft_service.drafters import DrafterConfig
-from draft_service.local import LocalDrafterStub
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams
-from target_service.config import EngineConfig
 from target_service.draft_policy import BatchCostTables, CostTable, Decision, DraftPolicy
-from target_service.engine import build_engine_core
-from tests.tiny_models import PROMPTS, REFERENCE_DFLASH_K, TARGET_LAYERS, make_qwen3, make_reference_dflash
+from tests.tiny_models import (
+    PROMPTS,
+    REFERENCE_DFLASH_K,
+    TARGET_LAYERS,
+    make_pair,
+    make_qwen3,
+    make_reference_dflash,
+)
 
 K = 4
 MAX_TOKENS = 80
@@ -70,19 +70,14 @@ class FixedForward(BatchCostTables):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("adaptive")
-    target = make_qwen3(root / "target")
-    shutil.copytree(target, root / "same")  # the target as its own draft model: every draft is right
+    target, same = make_pair(root)  # the target as its own draft model: every draft is right
     other = make_qwen3(root / "other", seed=1)  # another random model: its drafts are (almost) all wrong
-    return target, root / "same", other
+    return target, same, other
 
 
-def _core(target, draft, shm_dir):
-    stub = LocalDrafterStub(DrafterConfig(kind="draft_model", model=str(draft), target_model=str(target),
-                                          num_speculative_tokens=K, shm_dir=str(shm_dir)))
-    config = EngineConfig(model=str(target), cache=CacheConfig(cache_dtype="float32", shm_dir=str(shm_dir)),
-                          drafter="in-process", internal_token="unused", num_speculative_tokens=K)
-    assert config.speculative_policy == "adaptive"  # the default
-    core = build_engine_core(config, drafter_stub=stub)
+def _core(speculative_engine, target, draft):
+    core = speculative_engine(target, draft, drafter={"num_speculative_tokens": K}, num_speculative_tokens=K)
+    assert core.config.speculative_policy == "adaptive"  # the default
     assert core.link.ready, core.link.detail
     policy = core.speculator.policy
     policy.forward = FixedForward(lambda tokens: DECODE * (1 + 0.02 * (tokens - 1)))
@@ -125,9 +120,9 @@ def _probes(core) -> float:
     return core.metrics.registry.get_sample_value("splitspec_spec_decode_policy_probes_total")
 
 
-def test_drafts_that_are_never_accepted_stop_being_asked_for(checkpoints, tmp_path):
+def test_drafts_that_are_never_accepted_stop_being_asked_for(speculative_engine, checkpoints):
     target, _, other = checkpoints
-    core = _core(target, other, tmp_path)
+    core = _core(speculative_engine, target, other)
     reference, _, _ = _generate(core, PROMPTS[0], speculate=False)
     tokens, chosen, usage = _generate(core, PROMPTS[0])
     assert tokens == reference  # lossless whatever was asked
@@ -143,12 +138,13 @@ def test_drafts_that_are_never_accepted_stop_being_asked_for(checkpoints, tmp_pa
     core.close()
 
 
-def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(checkpoints, tmp_path):
+def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(speculative_engine,
+                                                                                 checkpoints):
     """A draft model needs only token ids: a step asking for no drafts makes no Propose, and its
     context reaches the drafter merged into the next Propose that asks for drafts. That merged
     context is whole: the target's own copy as drafter still has every draft accepted."""
     target, same, other = checkpoints
-    core = _core(target, other, tmp_path)
+    core = _core(speculative_engine, target, other)
     before = core.link.num_proposes
     _, chosen, _ = _generate(core, PROMPTS[2])
     decided = [k for k in chosen if k is not None]
@@ -156,7 +152,7 @@ def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(
     assert core.link.num_proposes - before <= asking  # none for a step that asks for no drafts
     core.close()
 
-    core = _core(target, same, tmp_path)
+    core = _core(speculative_engine, target, same)
     core.speculator.policy = ScriptedPolicy(K, [K, 0, 0, K, 0, K, 0, 0, 0, 2] * 4)  # context merged often
     reference, _, _ = _generate(core, PROMPTS[3], speculate=False)
     tokens, chosen, usage = _generate(core, PROMPTS[3])
@@ -166,9 +162,9 @@ def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(
     core.close()
 
 
-def test_drafts_that_are_always_accepted_keep_being_asked_for(checkpoints, tmp_path):
+def test_drafts_that_are_always_accepted_keep_being_asked_for(speculative_engine, checkpoints):
     target, same, _ = checkpoints
-    core = _core(target, same, tmp_path)
+    core = _core(speculative_engine, target, same)
     reference, _, _ = _generate(core, PROMPTS[1], speculate=False)
     tokens, chosen, usage = _generate(core, PROMPTS[1])
     assert tokens == reference
@@ -196,14 +192,10 @@ class ScriptedPolicy(DraftPolicy):
         return Decision(min(k, max_k), min(probe_k, max_k))
 
 
-def _dflash_core(checkpoints_dflash, shm_dir, budget: int, script: list[int], defer: bool):
+def _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, budget: int, script: list[int], defer: bool):
     target, dflash = checkpoints_dflash
-    stub = LocalDrafterStub(DrafterConfig(kind="dflash", model=str(dflash), target_model=str(target),
-                                          shm_dir=str(shm_dir)))
-    config = EngineConfig(model=str(target), cache=CacheConfig(cache_dtype="float32", shm_dir=str(shm_dir)),
-                          drafter="in-process", internal_token="unused", num_speculative_tokens=REFERENCE_DFLASH_K,
-                          max_num_batched_tokens=budget)
-    core = build_engine_core(config, drafter_stub=stub)
+    core = speculative_engine(target, dflash, kind="dflash", shm=shm_dir, num_speculative_tokens=REFERENCE_DFLASH_K,
+                              max_num_batched_tokens=budget)
     assert core.link.ready, core.link.detail
     core.speculator.policy = ScriptedPolicy(REFERENCE_DFLASH_K, script)
     if not defer:  # the path before deferral: a context-only Propose at every step
@@ -214,7 +206,7 @@ def _dflash_core(checkpoints_dflash, shm_dir, budget: int, script: list[int], de
 
     def recording_propose(scheduled, metrics):
         drafts.append(answer := propose(scheduled, metrics))
-        unwritten.append(sum(seq.context_len - seq.num_context for seq in stub.host.drafter.sequences.values()))
+        unwritten.append(sum(seq.context_len - seq.num_context for seq in core.link._stub.host.drafter.sequences.values()))
         return answer
 
     core.speculator.propose = recording_propose
@@ -235,8 +227,8 @@ def checkpoints_dflash(tmp_path_factory):
     (128, [0, 0, 0, 4, 0, 0, 2, 0, 4, 1, 0, 0, 0, 0, 0, 3] * 3),  # short runs of k = 0: held, then restaged
     (16, [0] * 30 + [4, 0, 0, 4] + [0] * 20),  # long runs overflow 16 staging rows: context-only Proposes
 ])
-def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(checkpoints_dflash, tmp_path, budget,
-                                                                           script, monkeypatch):
+def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(speculative_engine, checkpoints_dflash,
+                                                                           tmp_path, budget, script, monkeypatch):
     """DFlash reads the target's hidden states from staging rows the next forward overwrites. A
     step that asks for no drafts sends no Propose: its rows are held and packed in front of the
     next Propose's own. The drafter holds the rows it receives and writes their context K/V
@@ -250,7 +242,8 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(chec
             monkeypatch.setattr(dflash, "MAX_HELD_ROWS", 1)  # every row received is written at once
         shm_dir = tmp_path / f"shm-{mode}"
         shm_dir.mkdir()
-        core, drafts, unwritten = _dflash_core(checkpoints_dflash, shm_dir, budget, script, defer=mode == "held")
+        core, drafts, unwritten = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, budget, script,
+                                               defer=mode == "held")
         before = core.link.num_proposes
         reference, _, _ = _generate(core, PROMPTS[0], speculate=False)
         tokens, chosen, usage = _generate(core, PROMPTS[0])
@@ -267,7 +260,7 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(chec
         assert held[1] <= steps_asking + 4  # ... at most the prefill's and those asking for drafts
 
 
-def test_dflash_drafts_fewer_tokens_as_the_first_of_its_whole_block(checkpoints_dflash, tmp_path):
+def test_dflash_drafts_fewer_tokens_as_the_first_of_its_whole_block(speculative_engine, checkpoints_dflash, tmp_path):
     """Asked for k < K drafts, DFlash still runs the block of K masks it was trained with and
     keeps the first k: a block of fewer masks attends differently and drafts worse (the demo
     pair accepted 2.12 tokens a step with blocks of 7, 2.56 with its trained 8)."""
@@ -276,7 +269,8 @@ def test_dflash_drafts_fewer_tokens_as_the_first_of_its_whole_block(checkpoints_
     for k in (REFERENCE_DFLASH_K, 2):
         shm_dir = tmp_path / f"shm-{k}"
         shm_dir.mkdir()
-        core, drafts, _ = _dflash_core(checkpoints_dflash, shm_dir, 128, [k] * MAX_TOKENS, defer=True)
+        core, drafts, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 128, [k] * MAX_TOKENS,
+                                       defer=True)
         model = core.link._stub.host.drafter.model  # the in-process stub _dflash_core gave it
         forward = model.propose
         model.propose = lambda *args, **kwargs: blocks.append(kwargs["num_tokens"]) or forward(*args, **kwargs)
@@ -288,13 +282,13 @@ def test_dflash_drafts_fewer_tokens_as_the_first_of_its_whole_block(checkpoints_
     assert blocks.count(REFERENCE_DFLASH_K) >= 0.8 * len(blocks), blocks
 
 
-def test_a_probe_asks_one_sequence_of_the_batch(checkpoints, tmp_path):
+def test_a_probe_asks_one_sequence_of_the_batch(speculative_engine, checkpoints):
     """While no draft pays, a probe asks one sequence for its drafts, not the batch (the whole
     batch would pay a wider verify and every sequence's catch-up for one lesson), and the same
     one while it runs: the drafter then catches up only what came since the last probe. While
     drafts pay, a probe asks one sequence for more and the others keep their k."""
     target, _, other = checkpoints
-    core = _core(target, other, tmp_path)
+    core = _core(speculative_engine, target, other)
     reserved: list[tuple[dict[int, int], Decision]] = []
     lookahead, decide = core.speculator.lookahead, core.speculator.policy.decide
     decisions: list[Decision] = []
@@ -322,7 +316,7 @@ def test_a_probe_asks_one_sequence_of_the_batch(checkpoints, tmp_path):
     assert len({next(iter(answer)) for answer in probes}) == 1  # all four run to the end: one is probed
     core.close()
 
-    core = _core(target, other, tmp_path)
+    core = _core(speculative_engine, target, other)
     core.speculator.policy = ScriptedPolicy(K, [(1, 3)] * 8)
     core.speculator.lookahead = lambda running, metrics: reserved.append(answer := lookahead(running, metrics)) or answer
     lookahead = core.speculator.__class__.lookahead.__get__(core.speculator)
@@ -359,12 +353,12 @@ class VerifyRecordingPolicy(ScriptedPolicy):
         self.verifies.append((num_draft, num_accepted))
 
 
-def test_an_ask_that_gets_no_drafts_is_learnt_as_a_miss(checkpoints, tmp_path):
+def test_an_ask_that_gets_no_drafts_is_learnt_as_a_miss(speculative_engine, checkpoints):
     """What the policy learns is what asking brought: an n-gram drafter that finds no match
     sends no drafts, and learning only from the sequences it drafted for priced every ask as
     a drafted one (at concurrency 16 it drafted for a few, the verify cost all: 12% slower)."""
     target, same, _ = checkpoints
-    core = _core(target, same, tmp_path)  # the target as draft model: every draft it sends is accepted
+    core = _core(speculative_engine, target, same)  # the target as draft model: every draft it sends is accepted
     policy = VerifyRecordingPolicy(K, [3] * MAX_TOKENS)
     core.speculator.policy = policy
     drafter = core.link._stub.host.drafter  # the in-process stub _core gave it
@@ -375,13 +369,14 @@ def test_an_ask_that_gets_no_drafts_is_learnt_as_a_miss(checkpoints, tmp_path):
     assert (3, 0) in policy.verifies and all(a in (0, k) for k, a in policy.verifies), policy.verifies
 
 
-def test_propose_costs_are_learnt_from_steady_drafting_and_catching_up_per_row(checkpoints, tmp_path):
+def test_propose_costs_are_learnt_from_steady_drafting_and_catching_up_per_row(speculative_engine,
+                                                                                checkpoints):
     """The Propose that follows a prompt, or steps that asked for no drafts, also catches the
     drafter up on their context: dearer once. Priced into k, it made the first drafts and every
     probe look too dear to ask for again; it is learnt apart, per row caught up, and only
     Proposes of steady drafting price k."""
     target, same, _ = checkpoints
-    core = _core(target, same, tmp_path)
+    core = _core(speculative_engine, target, same)
     policy = RecordingPolicy(K, [K, K, 0, 0, 0, 2, 3, 0, 1, 1])
     core.speculator.policy = policy
     prompt = core.tokenizer.encode(PROMPTS[1])
@@ -394,12 +389,12 @@ def test_propose_costs_are_learnt_from_steady_drafting_and_catching_up_per_row(c
     core.close()
 
 
-def test_a_batch_far_behind_does_not_resume_drafting(checkpoints, tmp_path):
+def test_a_batch_far_behind_does_not_resume_drafting(speculative_engine, checkpoints):
     """Sequences that went long without drafts would make the drafter catch up on all their
     context at once; with that cost learnt per row, the policy keeps them at k = 0 where the
     same acceptance, caught up, would draft."""
     target, same, _ = checkpoints
-    core = _core(target, same, tmp_path)
+    core = _core(speculative_engine, target, same)
     policy = core.speculator.policy
     for _ in range(50):
         policy.record_verify(K, K)

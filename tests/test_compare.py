@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from bench import compare
-from tests.tiny_models import TARGET_LAYERS, make_qwen3, make_reference_dflash
+from tests.tiny_models import make_bench_models
 
 pytestmark = pytest.mark.slow
 
 
 def test_compare_runs_every_row(tmp_path, capsys):
-    models = tmp_path / "models"
-    target = make_qwen3(models / "target", num_hidden_layers=TARGET_LAYERS)
-    shutil.copytree(target, models / "draft_model")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target)
-    make_reference_dflash(models / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    models = make_bench_models(tmp_path / "models")
     assert compare.main(["--models", str(models), "--prompts", "2", "--new-tokens", "6", "--concurrency", "1",
                          "--k", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
@@ -50,15 +42,12 @@ def test_propose_rtt_times_a_live_drafter(capsys):
 def test_pearl_bound_reads_full_acceptance_from_the_engines_counters(tmp_path, capsys):
     """A draft model identical to the target accepts every draft: the bound script must see
     all K accepted on every drafted step (and DFlash's bound is zero by construction)."""
-    from bench import pearl_bound
-
-    models = tmp_path / "models"
-    target = make_qwen3(models / "target", num_hidden_layers=TARGET_LAYERS)
-    shutil.copytree(target, models / "draft_model")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target)
-    make_reference_dflash(models / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    from bench import pearl_bound
+
+    models = make_bench_models(tmp_path / "models")
+    tok = AutoTokenizer.from_pretrained(models / "target")
     # 13 tokens = the prefill's 1 + 3 steps of 3 drafts + 1: no step near the end asks fewer
     same = pearl_bound.measure(models, "draft_model", [tok.encode("def f(x):")] * 2, 13, 3)
     assert same["drafted steps"] > 0 and same["all K accepted"] == 1.0

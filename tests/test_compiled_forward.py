@@ -60,6 +60,7 @@ def test_bucket_policy():
         CompileConfig(sizes=(18, 9))
 
 
+@pytest.mark.slow  # Inductor compiles every bucket: 10-300 s on 2 shared cores
 def test_every_bucket_matches_the_eager_forward(model, shm_dir):
     (other_shm := shm_dir / "compiled").mkdir()  # a second pool: its own folder
     eager_runner, compiled_runner = PagedRunner(model, shm_dir), PagedRunner(model, other_shm)
@@ -93,12 +94,14 @@ def test_disabled_runs_the_model_itself(model):
     assert forward.stats.seconds == {}
 
 
+@pytest.mark.slow  # Inductor compiles every bucket: 10-300 s on 2 shared cores
 def test_prepare_compiles_ahead_of_use(model):
     forward = CompiledForward(decoder_stack(model), CONFIG)
     forward.prepare([1, 3, 100])
     assert set(forward.stats.seconds) == {1, 3}  # 100 tokens run eagerly: nothing to compile
 
 
+@pytest.mark.slow  # Inductor compiles every bucket: 10-300 s on 2 shared cores
 def test_a_bucket_first_needed_mid_serving_compiles_in_the_background(model, shm_dir):
     """The step that first needs a bucket runs eagerly (no step waits for a compile); once the
     background compile is done, steps of that size run compiled, with the same values."""
@@ -131,12 +134,12 @@ def test_a_bucket_that_fails_to_compile_runs_eagerly(model, monkeypatch):
     assert not forward._start_compiling(3)  # given up: never retried
 
 
-def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_only(target_model, draft_lm, shm_dir):
+@pytest.mark.slow  # Inductor compiles every bucket: 10-300 s on 2 shared cores
+def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_only(target_model, draft_lm, shm_dir,
+                                                                                   speculative_engine):
     """The engine and an in-process draft model both compiled (every bucket at warmup), against the
     eager engine without speculation: the same greedy tokens."""
     from common.kv_layout import CacheConfig
-    from draft_service.drafters import DrafterConfig
-    from draft_service.local import LocalDrafterStub
     from target_service.api_types import EngineRequest, SpeculationParams, StopParams
     from target_service.config import EngineConfig
     from target_service.engine import build_engine_core
@@ -161,11 +164,8 @@ def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_onl
         expected = [generate(eager, p, speculate=False) for p in PROMPTS[:3]]
     finally:
         eager.close()
-    drafter = LocalDrafterStub(DrafterConfig(kind="draft_model", model=str(draft_lm), dtype="float32",
-                                             shm_dir=str(shm_dir), compile=True))
-    core = build_engine_core(EngineConfig(model=str(target_model), cache=cache, drafter="in-process",
-                                          internal_token="unused", num_speculative_tokens=4,
-                                          speculative_policy="fixed", compile=compiled), drafter_stub=drafter)
+    core = speculative_engine(target_model, draft_lm, drafter={"dtype": "float32", "compile": True}, cache=cache,
+                              num_speculative_tokens=4, speculative_policy="fixed", compile=compiled)
     try:
         core.warmup()
         assert set(core.runner.forward.stats.seconds) == {1, 2, 3, 4, 16}

@@ -458,11 +458,10 @@ def test_eval_demo_measures_through_a_real_stack(tmp_path):
 
     import eval_demo
 
-    from tests.tiny_models import make_qwen3
+    from tests.tiny_models import make_pair
 
     models = tmp_path / "models"
-    target = make_qwen3(models / "target")
-    shutil.copytree(target, models / "draft_model")
+    make_pair(models, draft_name="draft_model")
     row = eval_demo.measure(models, "draft_model", ["def f(x):\n    return", "class A:\n"], 9, 4, 2)
     assert row.requests == 2 and row.completion_tokens == 2 * 9
     assert row.num_drafts > 0 and 0 < row.accepted <= row.drafted <= row.num_drafts * 4

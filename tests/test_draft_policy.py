@@ -340,6 +340,14 @@ def test_policy_asks_for_k_before_anything_is_measured_and_fixed_always_asks_for
     assert fixed.decide(1, 1, 3) == Decision(3)  # the sequences' own limit still caps it
 
 
+def test_the_policy_refuses_a_bound_above_its_k():
+    """k is bounded once, by the caller (Speculation.draft_limit): an ask past the policy's K is a bug."""
+    with pytest.raises(ValueError, match="exceeds the policy's K"):
+        DraftPolicy(K).decide(1, 1, K + 1)
+    with pytest.raises(ValueError, match="exceeds the policy's K"):
+        DraftPolicy(K, adaptive=False).decide(1, 1, K + 1)
+
+
 def test_forgetting_measurements_returns_to_the_start():
     policy = measured_policy(0.05 * DECODE, 0.001)
     run(policy, 100, accepted=0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import signal
 import threading
 import time
@@ -27,11 +26,12 @@ from tests.procs import (
     free_port,
     scrape_metrics,
     server_info,
+    start_target,
     stream_tokens,
     wait_drafter,
     wait_idle,
 )
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.tiny_models import PROMPTS, make_pair
 
 pytestmark = pytest.mark.slow
 READY = pb.DrafterState.STATUS_READY
@@ -42,22 +42,14 @@ PROMPTS_UNDER_LOAD = PROMPTS[:8]
 MAX_TOKENS = 60
 
 
+TARGET_ARGS = ("--num-pages", str(NUM_PAGES), "--page-size", "8", "--max-num-batched-tokens", "128",
+               "--speculative-policy", "fixed")  # drafts every step, however bad: these tests count them
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     """A target and a copy of it as the draft LM (its drafts are the target's argmax)."""
-    root = tmp_path_factory.mktemp("fault-models")
-    target = make_qwen3(root / "target")
-    draft = root / "draft"
-    shutil.copytree(target, draft)
-    return target, draft
-
-
-def start_target(model: Path, shm_dir: Path, log: Path, drafter: str, *extra: str) -> Service:
-    return Service("target_service.cli", [
-        "--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), "--num-pages", str(NUM_PAGES),
-        "--page-size", "8", "--max-num-batched-tokens", "128", "--drafter", drafter, *extra,
-        "--speculative-policy", "fixed",  # drafts every step, however bad: these tests count them
-    ], log)
+    return make_pair(tmp_path_factory.mktemp("fault-models"))
 
 
 def request(prompt: str, max_tokens: int = MAX_TOKENS, **speculation) -> pb.GenerateRequest:
@@ -96,8 +88,9 @@ def test_slow_and_hung_drafter_fall_back_then_recover(models, shm_dir, tmp_path)
     try:
         drafter.wait_serving()
         metrics_port = free_port()
-        target = start_target(target_model, shm_dir, tmp_path / "target.log", drafter.address,
-                              "--drafter-timeout-s", str(DRAFTER_TIMEOUT_S), "--metrics-port", str(metrics_port))
+        target = start_target(target_model, shm_dir, tmp_path / "target.log", *TARGET_ARGS, "--drafter",
+                              drafter.address, "--drafter-timeout-s", str(DRAFTER_TIMEOUT_S),
+                              "--metrics-port", str(metrics_port))
         address = target.wait_serving()
         wait_drafter(address, READY)
         expected = [stream_tokens(address, request(p, disable=True))[0] for p in PROMPTS_UNDER_LOAD]
@@ -184,8 +177,8 @@ def test_garbage_drafts_are_counted_and_never_change_the_output(models, shm_dir,
     try:
         drafter.wait_serving()
         metrics_port = free_port()
-        target = start_target(target_model, shm_dir, tmp_path / "target.log", drafter.address,
-                              "--drafter-timeout-s", "10", "--metrics-port", str(metrics_port))
+        target = start_target(target_model, shm_dir, tmp_path / "target.log", *TARGET_ARGS, "--drafter",
+                              drafter.address, "--drafter-timeout-s", "10", "--metrics-port", str(metrics_port))
         address = target.wait_serving()
         info = wait_drafter(address, READY)
         # warmup proposed before SERVING: garbage the served metrics must not count

@@ -19,7 +19,11 @@ import common.invariant_attention as invariant
 from common.attention import attend_group, build_plan
 from common.attention_metadata import AttentionMetadata
 from common.cpu_linear import PackedLinear, invariant_chunk_rows, native_cpu_bf16, pack_cpu_linears
-from common.invariant_attention import BatchInvariantTorchBackend, attend_group_invariant, make_batch_invariant
+from common.invariant_attention import (
+    BatchInvariantTorchBackend,
+    attend_group_invariant,
+    make_batch_invariant,
+)
 from common.qwen3 import Qwen3ForCausalLM
 from tests.paged_runner import CPU, PagedRunner, Seq
 from tests.tiny_models import make_qwen3
@@ -139,13 +143,11 @@ def test_an_attention_that_is_not_invariant_is_refused(monkeypatch, tmp_path):
 
 
 @needs_bf16
-def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_lm, shm_dir):
+def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_lm, shm_dir, speculative_engine):
     """Through the engine: the bfloat16 target picks the invariant attention, and speculative
     greedy output (an in-process draft model, K=4, one request and four at once) is token for
     token what the target gives alone."""
     from common.kv_layout import CacheConfig
-    from draft_service.drafters import DrafterConfig
-    from draft_service.local import LocalDrafterStub
     from target_service.api_types import EngineRequest, SpeculationParams, StopParams
     from target_service.config import EngineConfig
     from target_service.engine import build_engine_core
@@ -173,10 +175,8 @@ def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_l
         assert generate(plain, PROMPTS[:4], speculate=False) == expected  # a batch: the same tokens
     finally:
         plain.close()
-    drafter = LocalDrafterStub(DrafterConfig(kind="draft_model", model=str(draft_lm), shm_dir=str(shm_dir)))
-    core = build_engine_core(EngineConfig(model=str(target_model), cache=cache, dtype="bfloat16", drafter="in-process",
-                                          internal_token="unused", num_speculative_tokens=4,
-                                          speculative_policy="fixed"), drafter_stub=drafter)
+    core = speculative_engine(target_model, draft_lm, cache=cache, dtype="bfloat16", num_speculative_tokens=4,
+                              speculative_policy="fixed")
     try:
         assert [generate(core, [p], speculate=True)[0] for p in PROMPTS[:4]] == expected
         assert generate(core, PROMPTS[:4], speculate=True) == expected

@@ -11,7 +11,6 @@ import concurrent.futures
 import logging
 import math
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -33,7 +32,13 @@ from splitspec.v1 import kv_layout_pb2 as kv_pb
 from target_service import convert
 from target_service.api_types import FinishReason
 from target_service.server import ERRORS, SERVICE_NAME, EngineSlot
-from tests.procs import REPO_ROOT, Service, client_cmd, pool_files, private_shm_dir
+from tests.procs import (
+    REPO_ROOT,
+    client_cmd,
+    pool_files,
+    served_target,
+    start_target,
+)
 from tests.tiny_models import PROMPTS, make_qwen3
 
 # A full-length stream must outlast every timeout below (the 4 s drain grace included):
@@ -47,16 +52,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-# ---------------------------------------------------------------- server process harness
-
-
-def start_target(model: Path, shm_dir: Path, log_path: Path, *extra: str) -> Service:
-    """A `python -m target_service.cli` child whose log goes to a file."""
-    args = [
-        "--model", str(model), "--port", "0", "--num-pages", str(NUM_PAGES), "--page-size", str(PAGE_SIZE),
-        "--shm-dir", str(shm_dir), "--max-num-batched-tokens", "256", *extra,
-    ]
-    return Service("target_service.cli", args, log_path)
+TARGET_ARGS = ("--num-pages", str(NUM_PAGES), "--page-size", str(PAGE_SIZE), "--max-num-batched-tokens", "256")
 
 
 @pytest.fixture(scope="session")
@@ -73,18 +69,10 @@ def tokenizer(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    shm = private_shm_dir()
     log = tmp_path_factory.mktemp("log") / "server.log"
     args = ("--shutdown-grace-s", "5", "--default-max-tokens", str(DEFAULT_MAX_TOKENS))
-    proc = start_target(tiny_model, shm, log, *args)
-    try:
-        proc.wait_serving()
+    with served_target(tiny_model, log, *TARGET_ARGS, *args) as proc:
         yield proc
-        assert proc.stop(timeout=30) == 0, proc.log()
-        assert not pool_files(shm), "the server left its pool file behind"
-    finally:
-        proc.kill()
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture
@@ -202,7 +190,7 @@ def _fill_the_queue(stub):
 def test_lifecycle_health_queue_full_and_sigterm_drain(tiny_model, shm_dir, tmp_path):
     grace = 4.0
     args = ("--shutdown-grace-s", str(grace), "--max-num-seqs", "1", "--max-waiting", "1")
-    proc = start_target(tiny_model, shm_dir, tmp_path / "server.log", *args)
+    proc = start_target(tiny_model, shm_dir, tmp_path / "server.log", *TARGET_ARGS, *args)
     try:
         with grpc.insecure_channel(proc.wait_listening()) as channel:
             watch = _observe_startup(channel, shm_dir)
@@ -224,7 +212,7 @@ def test_lifecycle_health_queue_full_and_sigterm_drain(tiny_model, shm_dir, tmp_
 
 
 def test_sigterm_right_after_listening_exits_cleanly(tiny_model, shm_dir, tmp_path):
-    proc = start_target(tiny_model, shm_dir, tmp_path / "server.log")
+    proc = start_target(tiny_model, shm_dir, tmp_path / "server.log", *TARGET_ARGS)
     try:
         proc.wait_listening()
         assert proc.stop(timeout=60) == 0, proc.log()

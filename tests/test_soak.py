@@ -33,7 +33,7 @@ from tests.procs import (
     wait_drafter,
     wait_idle,
 )
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.tiny_models import PROMPTS, make_pair
 
 pytestmark = pytest.mark.slow
 SOAK_S = float(os.environ.get("SPLITSPEC_SOAK_S") or (300 if os.environ.get("CI") == "true" else 60))
@@ -125,9 +125,7 @@ class Load:
 
 def test_soak_with_random_drafter_restarts(tmp_path):
     rng = random.Random(2024)
-    target_model = make_qwen3(tmp_path / "target", max_position_embeddings=1024)
-    draft_model = tmp_path / "draft"
-    shutil.copytree(target_model, draft_model)
+    target_model, draft_model = make_pair(tmp_path, max_position_embeddings=1024)
     port = free_port()
     shm = private_shm_dir()
     drafter_args = ["--model", str(draft_model), "--port", str(port), "--num-speculative-tokens", "4",

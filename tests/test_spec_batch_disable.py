@@ -3,17 +3,11 @@ shrinks, and the drafter never loses a sequence's context in between."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from common.kv_layout import CacheConfig
-from draft_service.drafters import DrafterConfig
-from draft_service.local import LocalDrafterStub
 from target_service.api_types import EngineRequest, SpeculationParams, StopParams
 from target_service.config import EngineConfig
-from target_service.engine import build_engine_core
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.tiny_models import PROMPTS, make_pair
 
 K = 4
 MAX_TOKENS = (6, 6, 30)  # two short requests finish first; the long one then runs alone
@@ -21,20 +15,13 @@ MAX_TOKENS = (6, 6, 30)  # two short requests finish first; the long one then ru
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch-disable")
-    target = make_qwen3(root / "target")
-    shutil.copytree(target, root / "draft")  # the target as its own draft model: every draft is right
-    return target, root / "draft"
+    return make_pair(tmp_path_factory.mktemp("batch-disable"))  # the target's copy drafts: every draft is right
 
 
-def _core(target, draft, shm_dir, disable_at):
-    stub = LocalDrafterStub(DrafterConfig(kind="draft_model", model=str(draft), target_model=str(target),
-                                          num_speculative_tokens=K, shm_dir=str(shm_dir)))
-    config = EngineConfig(model=str(target), cache=CacheConfig(cache_dtype="float32", shm_dir=str(shm_dir)),
-                          drafter="in-process", internal_token="unused", num_speculative_tokens=K,
-                          speculative_disable_batch_size=disable_at,
-                          speculative_policy="fixed")  # every step asks for drafts: the threshold alone decides
-    return build_engine_core(config, drafter_stub=stub)
+def _core(speculative_engine, target, draft, disable_at):
+    return speculative_engine(target, draft, drafter={"num_speculative_tokens": K}, num_speculative_tokens=K,
+                              speculative_disable_batch_size=disable_at,
+                              speculative_policy="fixed")  # every step asks for drafts: the threshold alone decides
 
 
 def batch_disabled_steps(core) -> float:
@@ -57,9 +44,9 @@ def _run_together(core, speculate: bool = True) -> dict[str, tuple[list[int], ob
     return {rid: (tokens[rid], usage[rid]) for rid in tokens}
 
 
-def test_a_full_batch_runs_without_drafts_and_drafting_resumes_when_it_shrinks(checkpoints, tmp_path):
+def test_a_full_batch_runs_without_drafts_and_drafting_resumes_when_it_shrinks(speculative_engine, checkpoints):
     target, draft = checkpoints
-    core = _core(target, draft, tmp_path, disable_at=len(MAX_TOKENS))
+    core = _core(speculative_engine, target, draft, disable_at=len(MAX_TOKENS))
     assert core.link.ready, core.link.detail
     reference = _run_together(core, speculate=False)
     results = _run_together(core)
@@ -74,9 +61,9 @@ def test_a_full_batch_runs_without_drafts_and_drafting_resumes_when_it_shrinks(c
     core.close()
 
 
-def test_below_the_threshold_every_request_is_speculated(checkpoints, tmp_path):
+def test_below_the_threshold_every_request_is_speculated(speculative_engine, checkpoints):
     target, draft = checkpoints
-    core = _core(target, draft, tmp_path, disable_at=len(MAX_TOKENS) + 1)
+    core = _core(speculative_engine, target, draft, disable_at=len(MAX_TOKENS) + 1)
     results = _run_together(core)
     assert all(usage.num_drafts > 0 for _, usage in results.values())
     assert batch_disabled_steps(core) == 0

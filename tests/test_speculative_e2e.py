@@ -6,7 +6,6 @@ target-only server with the same KV dtype, for 20 prompts at concurrency 1, 4 an
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from tests.procs import Service, stream_tokens
-from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash
+from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_pair, make_reference_dflash
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
@@ -33,10 +32,8 @@ class Models:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Models:
     root = tmp_path_factory.mktemp("spec-models")
-    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
     # the draft LM is a copy of the target: every draft is accepted, exercising the bonus path
-    draft_lm = root / "draft-lm"
-    shutil.copytree(target, draft_lm)
+    target, draft_lm = make_pair(root, num_hidden_layers=TARGET_LAYERS)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)

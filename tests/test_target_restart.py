@@ -31,11 +31,12 @@ from tests.procs import (
     private_shm_dir,
     scrape_metrics,
     server_info,
+    start_target,
     stream_tokens,
     wait_drafter,
     wait_idle,
 )
-from tests.tiny_models import PROMPTS, make_qwen3
+from tests.tiny_models import PROMPTS, make_pair
 
 pytestmark = pytest.mark.slow
 READY = pb.DrafterState.STATUS_READY
@@ -43,21 +44,13 @@ MODEL_LEN = 4096  # a stream of MODEL_LEN - 100 tokens outlasts the grace on any
 GRACE_S = 5.0
 
 
+TARGET_ARGS = ("--num-pages", "2048", "--page-size", "8", "--max-num-batched-tokens", "128",
+               "--shutdown-grace-s", str(GRACE_S), "--speculative-policy", "fixed")
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("restart-models")
-    target = make_qwen3(root / "target", max_position_embeddings=MODEL_LEN)
-    draft = root / "draft"
-    shutil.copytree(target, draft)
-    return target, draft
-
-
-def start_target(model: Path, shm: Path, log: Path, *extra: str) -> Service:
-    return Service("target_service.cli", [
-        "--model", str(model), "--port", "0", "--shm-dir", str(shm), "--num-pages", "2048", "--page-size", "8",
-        "--max-num-batched-tokens", "128", "--shutdown-grace-s", str(GRACE_S),
-        "--speculative-policy", "fixed", *extra,
-    ], log)
+    return make_pair(tmp_path_factory.mktemp("restart-models"), max_position_embeddings=MODEL_LEN)
 
 
 def request(prompt: str, max_tokens: int, **speculation) -> pb.GenerateRequest:
@@ -103,8 +96,10 @@ def test_target_sigkill_restart_then_sigterm_with_the_drafter_attached(models, t
     other = first = second = None
     try:
         drafter.wait_serving()
-        other = start_target(target_model, shm, tmp_path / "other.log")  # a live target sharing the folder
-        first = start_target(target_model, shm, tmp_path / "first.log", "--drafter", drafter.address)
+        # a live target sharing the folder
+        other = start_target(target_model, shm, tmp_path / "other.log", *TARGET_ARGS)
+        first = start_target(target_model, shm, tmp_path / "first.log", *TARGET_ARGS,
+                             "--drafter", drafter.address)
         other_address, first_address = other.wait_serving(), first.wait_serving()
         other_file = pool_file_of(other_address, shm)
         wait_drafter(first_address, READY)
@@ -124,7 +119,8 @@ def test_target_sigkill_restart_then_sigterm_with_the_drafter_attached(models, t
                     future.result()
         assert first_file.exists() and other_file.exists()
 
-        second = start_target(target_model, shm, tmp_path / "second.log", "--drafter", drafter.address)
+        second = start_target(target_model, shm, tmp_path / "second.log", *TARGET_ARGS,
+                              "--drafter", drafter.address)
         second_address = second.wait_serving()
         assert "removed 1 stale KV pool file(s)" in second.log()
         assert not first_file.exists(), "the dead target's pool file survived the restart"

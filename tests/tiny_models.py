@@ -3,6 +3,7 @@ benchmarks use too) and a reference DFlash drafter saved by z-lab's own package.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,6 +15,26 @@ from splitspec.tiny_models import PROMPTS, make_qwen3, make_tokenizer, qwen3_con
 REFERENCE_DFLASH_K = 4
 TARGET_LAYERS = 4
 TARGET_LAYER_IDS = [0, 2]
+
+
+def make_pair(root: Path, draft_name: str = "draft", **target_config) -> tuple[Path, Path]:
+    """A tiny Qwen3 target under `root`/target and a copy of it as its draft LM under `root`/`draft_name`:
+    the copy drafts the target's argmax, so every draft is accepted."""
+    target = make_qwen3(root / "target", **target_config)
+    draft = root / draft_name
+    shutil.copytree(target, draft)
+    return target, draft
+
+
+def make_bench_models(root: Path) -> Path:
+    """The benchmarks' models folder (target/, draft_model/, dflash/) in tiny: the pair, and a
+    reference DFlash drafter reading the target's layers."""
+    from transformers import AutoTokenizer
+
+    target, _ = make_pair(root, draft_name="draft_model", num_hidden_layers=TARGET_LAYERS)
+    tok = AutoTokenizer.from_pretrained(target)
+    make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    return root
 
 
 def make_reference_dflash(

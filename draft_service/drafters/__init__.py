@@ -87,11 +87,9 @@ def resolve_kind(kind: str, model: str | None) -> str:
 def cpu_drafter_dtype() -> torch.dtype:
     """`--dtype auto` for a model drafter on a CPU: bfloat16 where the CPU multiplies it natively
     (AVX512-BF16, AMX), else float32. The drafts only propose: the target's verify decides
-    every token, so the output is the same either way, and a drafter need not compute what
-    a float32 drafter would. On this project's VM a K=8 DFlash block's products take 0.6 ms
-    in bfloat16 against 1.3 ms in float32, and the demo draft model's 8-token `Propose` 6.1
-    against 6.6 ms (it is bound by per-op overhead more than by arithmetic). The target
-    stays float32 on a CPU for another reason: see `common/dtypes.py`."""
+    every token, so the output is the same either way, and bfloat16 is the cheaper
+    (figures: docs/performance.md#the-adaptive-policys-rules). The target stays float32 on
+    a CPU for another reason: see `common/dtypes.py`."""
     from common.cpu_linear import native_cpu_bf16
 
     return torch.bfloat16 if native_cpu_bf16() else torch.float32

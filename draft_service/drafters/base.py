@@ -166,6 +166,10 @@ class Drafter:
         self.sequences: dict[int, DraftSequence] = {}
         self.pool: PagePool | None = None
 
+    def draft_room(self, seq: DraftSequence) -> int:
+        """The most drafts whose KV slots lie in `seq`'s pages (no bound: this drafter writes no KV)."""
+        return self.num_speculative_tokens
+
     # -- facts for the handshake ----------------------------------------------------------
 
     def layer_specs(self) -> list[LayerSpec]:
@@ -321,13 +325,10 @@ class PooledDrafter(Drafter):
         kind of attention step the drafter runs."""
         raise NotImplementedError
 
+    def draft_room(self, seq: DraftSequence) -> int:
+        """The most drafts whose every KV slot (`extra_kv_slots` included) lies in `seq`'s pages."""
+        return seq.capacity(self.layout.page_size) - seq.last_position - self.extra_kv_slots
+
     def _draft_counts(self, items: list[ProposeItem]) -> list[tuple[DraftSequence, int]]:
-        """(sequence, k) for the items that want drafts, k cut so that every KV slot the
-        proposal writes lies in the sequence's pages; those left with none are dropped."""
-        page_size = self.layout.page_size  # LayoutNotResolvedError before Attach
-        wanted = [
-            (seq, min(k, seq.capacity(page_size) - seq.last_position - self.extra_kv_slots))
-            for seq, _rows, k in items
-            if k > 0
-        ]
-        return [(seq, k) for seq, k in wanted if k > 0]
+        """(sequence, k) for the items that want drafts (k already bounded by the host: `draft_room`)."""
+        return [(seq, k) for seq, _rows, k in items if k > 0]

@@ -152,12 +152,10 @@ class DFlashDrafter(PooledDrafter):
 
     def _block_for(self, seq: DraftSequence, k: int) -> int:
         """The masks of the block that drafts `k` tokens: as many as the model was trained with
-        whenever the sequence's pages hold them, the first k drafts kept. A block of fewer masks
-        drafts worse than the first k of a whole one (on the demo pair at fixed K over the
-        benchmark prompts: 2.12 tokens a step with blocks of 7 drafts, 2.56 with the trained 8);
-        the extra masks cost a few rows of one forward. (k was already cut to the pages.)"""
-        room = seq.capacity(self.layout.page_size) - seq.last_position - self.extra_kv_slots
-        return max(k, min(self.model.num_speculative_tokens, room))
+        whenever the sequence's pages hold them, the first k drafts kept: a block of fewer masks
+        drafts worse than the first k of a whole one, and the extra masks cost a few rows of one
+        forward (figures: docs/performance.md#the-adaptive-policys-rules)."""
+        return max(k, min(self.model.num_speculative_tokens, self.draft_room(seq)))
 
     def _take_held_rows(self, seqs: list[DraftSequence]) -> NewContext | None:
         """The held rows of these sequences, with their positions and KV slots; they count as
