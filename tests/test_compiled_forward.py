@@ -175,6 +175,7 @@ def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_onl
         core.close()
 
 
+@pytest.mark.slow  # Inductor compiles two buckets
 def test_compiled_rows_pad_to_their_bucket_and_fall_back_to_eager():
     """A row-wise function compiled per row bucket: padded rows are cut off the outputs; rows of
     another dtype than traced, or more than the largest bucket, run the function itself."""

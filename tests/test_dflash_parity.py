@@ -357,6 +357,7 @@ def test_context_drafted_over_in_the_same_forward_equals_written_first(models, m
         torch.testing.assert_close(fused.logits[b], expected, atol=LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.slow  # Inductor compiles the block and context buckets
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_compiled_proposals_match_the_reference(models, make_paged, order):
     """Through the compiled block and context buckets (a block of one sequence at its exact
