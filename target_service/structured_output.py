@@ -37,7 +37,9 @@ class GrammarLimits:
     max_schema_depth: int = 32  # nesting of objects/arrays in a JSON schema document
     max_grammar_size: int = 200_000  # symbols in the compiled grammar's productions
     max_lexer_states: int = 100_000  # about 1-2 kB each
-    initial_lexer_fuel: int = 1_000_000  # ~20 ms of building the lexer
+    # building the lexer: llguidance's default (1,000,000) let a regex of nested counted repetitions
+    # spend 3-5 s on its first mask; this keeps that under ~0.3 s on a busy 2-core machine
+    initial_lexer_fuel: int = 100_000
     step_lexer_fuel: int = 200_000  # ~15 ms per mask at most
     step_max_items: int = 50_000  # Earley items per mask
     max_items_in_row: int = 2_000
@@ -184,6 +186,8 @@ class GrammarCompiler:
 
         grammar = self._grammar_text(params)
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the lexer is built lazily: pay for it here, not in the first step
         if matcher.is_error():
             raise InvalidRequestError(params.field_name, f"cannot be compiled: {_first_line(matcher.get_error())}")
         return CompiledGrammar(matcher)
