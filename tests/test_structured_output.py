@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import jsonschema
@@ -19,8 +22,7 @@ from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service.api_types import InvalidRequestError, StructuredOutputKind, StructuredOutputParams
 from target_service.structured_output import GrammarCompiler, GrammarLimits, constrain_rows
 from tests.procs import Service, private_shm_dir, stream_tokens, wait_idle
-from tests.test_speculative_e2e import drafter, models, speculating_target_args, target_args  # noqa: F401
-from tests.tiny_models import PROMPTS, make_tokenizer
+from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash, make_tokenizer
 
 KIND = StructuredOutputKind
 
@@ -37,7 +39,7 @@ SCHEMAS = [
         "required": ["x", "y"], "additionalProperties": False},
         "label": {"enum": ["red", "green", "blue"]}}, "required": ["point", "label"], "additionalProperties": False},
     {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
-                                      "score": {"type": "number", "minimum": 0, "maximum": 1},
+                                      "score": {"enum": [0, 0.25, 0.5, 1]},
                                       "note": {"type": ["string", "null"], "maxLength": 6}},
      "required": ["id", "score", "note"], "additionalProperties": False},
     {"anyOf": [{"type": "boolean"}, {"type": "object", "properties": {"v": {"const": 1}}, "required": ["v"],
@@ -46,6 +48,7 @@ SCHEMAS = [
 REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
 CHOICES = ["alpha", "beta", "gamma delta", "ε"]
 MAX_TOKENS = 96
+DRAFTERS = ("ngram", "draft_model", "dflash")
 
 
 # ---------------------------------------------------------------- the compiler and the masks (in-process)
@@ -206,7 +209,7 @@ def run_cases(address: str, concurrency: int, **sampling) -> list[tuple[list[int
 def check_valid(tokenizer, results) -> None:
     """Every schema's output parses and validates; the regex and the choice match whole."""
     for (_, so), (tokens, complete) in zip(cases(), results):
-        text = tokenizer.decode(tokens)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)  # a grammar may end with EOS
         kind = so.WhichOneof("constraint")
         if kind == "json_object":  # unbounded: a random model may run to max_tokens inside a string
             assert text.startswith("{")
@@ -222,12 +225,55 @@ def check_valid(tokenizer, results) -> None:
             assert text in CHOICES, text
 
 
+@dataclass
+class Models:
+    target: Path
+    draft_lm: Path
+    dflash: Path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Models:
+    """As the lossless test's (test_speculative_e2e.py): the draft LM is a copy of the target, whose
+    unconstrained drafts the grammar often forbids; DFlash is the reference package's."""
+    root = tmp_path_factory.mktemp("so-models")
+    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
+    draft_lm = root / "draft-lm"
+    shutil.copytree(target, draft_lm)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    return Models(target, draft_lm, make_reference_dflash(root / "dflash", vocab_size=len(tok),
+                                                          mask_token_id=tok.mask_token_id))
+
+
+def target_args(model: Path, shm_dir: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), "--kv-cache-dtype", "float32",
+            "--num-pages", "256", "--page-size", "8", "--max-num-batched-tokens", "128", *extra]
+
+
+@pytest.fixture(scope="module", params=DRAFTERS)
+def drafter(request, models, tmp_path_factory):
+    """A drafter process of each kind (K = 4); its target keeps the pool in the drafter's --shm-dir."""
+    tmp = tmp_path_factory.mktemp(f"so-drafter-{request.param}")
+    model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm), "--dtype", "float32"],
+             "dflash": ["--model", str(models.dflash)]}[request.param]
+    args = ["--kind", request.param, *model, "--target-model", str(models.target), "--port", "0",
+            "--num-speculative-tokens", "4", "--shm-dir", str(tmp)]
+    service = Service("draft_service.cli", args, tmp / "drafter.log")
+    try:
+        service.wait_serving()
+        yield request.param, service, tmp
+    finally:
+        service.kill()
+
+
 @pytest.fixture(scope="module")
 def target_only(models, tmp_path_factory):
     """A target without a drafter (float32 KV), serving for the module."""
     tmp = tmp_path_factory.mktemp("so-target-only")
     shm = private_shm_dir()
-    target = Service("target_service.cli", target_args(models.target, shm, "float32"), tmp / "target.log")
+    target = Service("target_service.cli", target_args(models.target, shm), tmp / "target.log")
     try:
         yield target.wait_serving(), target
     finally:
@@ -255,9 +301,9 @@ def test_target_only_output_is_valid(reference, hf_tokenizer):
 @pytest.mark.slow
 def test_speculative_constrained_output_equals_target_only(models, reference, drafter, hf_tokenizer, tmp_path):
     kind, drafter_service, shm_dir = drafter
-    target = Service("target_service.cli",
-                     speculating_target_args(models.target, shm_dir, "float32", drafter_service.address),
-                     tmp_path / "target.log")
+    # drafts asked every step (fixed K), whatever their acceptance
+    target = Service("target_service.cli", target_args(models.target, shm_dir, "--drafter", drafter_service.address,
+                                                       "--speculative-policy", "fixed"), tmp_path / "target.log")
     try:
         address = target.wait_serving()
         for concurrency in (1, 8):
@@ -300,3 +346,129 @@ def test_bad_structured_output_is_invalid_argument(target_only, so, field, words
     tokens, complete = generate(address, PROMPTS[0], structured("choice", choices=["yes", "no"]))
     assert complete.finish_reason == pb.FINISH_REASON_STOP  # still serving
     wait_idle(address)
+
+
+# ---------------------------------------------------------------- the gateway, with the official openai client
+
+
+@pytest.fixture(scope="module")
+def gateway(target_only, tmp_path_factory):
+    proc = Service("splitspec.gateway.cli", ["--target", target_only[0], "--port", "0"],
+                   tmp_path_factory.mktemp("so-gateway") / "gateway.log", metrics_flag=False)
+    try:
+        proc.wait_listening()
+        yield proc.address
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture
+def client(gateway):
+    import openai
+
+    with openai.OpenAI(base_url=f"http://{gateway}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model would pad JSON forever
+
+
+def _chat(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+def _grpc_chat_text(address: str, prompt: str, so: pb.StructuredOutput) -> str:
+    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=prompt)]),
+                                 sampling=pb.SamplingParams(temperature=0.0), stop=pb.StopParams(max_tokens=MAX_TOKENS),
+                                 structured_output=so)
+    with grpc.insecure_channel(address) as channel:
+        return "".join(r.chunk.text for r in pb_grpc.GenerationStub(channel).Generate(request, timeout=120)
+                       if r.HasField("chunk"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", [0, 1, 3])
+def test_response_format_json_schema_through_the_openai_client(target_only, client, models, i):
+    fmt = {"type": "json_schema", "json_schema": {"name": f"schema_{i}", "schema": SCHEMAS[i], "strict": True}}
+    reply = client.chat.completions.create(model=str(models.target), messages=_chat(PROMPTS[i]), temperature=0,
+                                           max_tokens=MAX_TOKENS, response_format=fmt, extra_body=COMPACT)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMAS[i])
+    so = structured("json_schema", value=json.dumps(SCHEMAS[i]), disable_any_whitespace=True)
+    assert choice.message.content == _grpc_chat_text(target_only[0], PROMPTS[i], so)
+
+
+@pytest.mark.slow
+def test_parse_with_a_pydantic_model_through_the_openai_client(client, models):
+    """The SDK's own path: a pydantic model becomes a strict json_schema, the reply is parsed back."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Reading(BaseModel):
+        label: Literal["red", "green", "blue"]
+        ok: bool
+
+    for stream in (False, True):
+        if stream:
+            with client.chat.completions.stream(model=str(models.target), messages=_chat(PROMPTS[2]),
+                                                temperature=0, max_tokens=MAX_TOKENS, response_format=Reading,
+                                                extra_body=COMPACT) as events:
+                parsed = events.get_final_completion().choices[0].message.parsed
+        else:
+            reply = client.chat.completions.parse(model=str(models.target), messages=_chat(PROMPTS[2]),
+                                                  temperature=0, max_tokens=MAX_TOKENS, response_format=Reading,
+                                                  extra_body=COMPACT)
+            parsed = reply.choices[0].message.parsed
+        assert isinstance(parsed, Reading)
+
+
+@pytest.mark.slow
+def test_json_object_and_vllm_structured_outputs_through_the_openai_client(client, models):
+    reply = client.chat.completions.create(model=str(models.target), messages=_chat(PROMPTS[4]), temperature=0,
+                                           max_tokens=MAX_TOKENS, response_format={"type": "json_object"},
+                                           extra_body=COMPACT)
+    text = reply.choices[0].message.content
+    assert text.startswith("{")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    reply = client.completions.create(model=str(models.target), prompt=PROMPTS[5], temperature=0, max_tokens=16,
+                                      extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert reply.choices[0].text in CHOICES and reply.choices[0].finish_reason == "stop"
+    reply = client.completions.create(model=str(models.target), prompt=PROMPTS[6], temperature=0.8, seed=3,
+                                      max_tokens=16, extra_body={"structured_outputs": {"regex": REGEX}})
+    assert re.fullmatch(REGEX, reply.choices[0].text), reply.choices[0].text
+    reply = client.completions.create(model=str(models.target), prompt=PROMPTS[7], temperature=0,
+                                      max_tokens=MAX_TOKENS, stream=False,
+                                      extra_body={"structured_outputs": {"json": SCHEMAS[2],
+                                                                         "disable_any_whitespace": True}})
+    jsonschema.validate(json.loads(reply.choices[0].text), SCHEMAS[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint, fields, param, words", [
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+     "response_format.json_schema.schema", "strnig"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema",
+     "schema is required"),
+    ("completions", {"extra_body": {"structured_outputs": {"regex": "(a"}}}, "structured_outputs.regex",
+     "cannot be compiled"),
+    ("completions", {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs",
+     "one constraint"),
+    ("chat", {"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
+     "structured_outputs", "one constraint"),
+    ("completions", {"extra_body": {"structured_outputs": {"choice": [str(i) for i in range(300)]}}},
+     "structured_outputs.choice", "1..256"),
+])
+def test_bad_structured_output_is_400_naming_the_parameter(client, models, endpoint, fields, param, words):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc_info:
+        if endpoint == "completions":
+            client.completions.create(**{"model": str(models.target), "prompt": "x", "max_tokens": 2, **fields})
+        else:
+            client.chat.completions.create(**{"model": str(models.target), "max_tokens": 2,
+                                              "messages": _chat("x"), **fields})
+    error = exc_info.value.body if "message" in (exc_info.value.body or {}) else exc_info.value.body["error"]
+    assert error["param"] == param and words in error["message"], error

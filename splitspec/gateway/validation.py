@@ -158,11 +158,13 @@ def check_structured_output(req: SamplingRequest) -> OpenAIError | None:
         return unsupported("structured_outputs.disable_additional_properties",
                            "structured_outputs.disable_additional_properties is not supported")
     constraints = so.constraints()
-    if len(constraints) != 1:
-        return invalid("structured_outputs", "structured_outputs: set exactly one of json, regex, choice or "
-                                             f"json_object, got {constraints or 'none'}")
-    if fmt is not None and fmt.type != "text":
-        return invalid("structured_outputs", "give response_format or structured_outputs, not both")
+    formatted = fmt is not None and fmt.type != "text"
+    if len(constraints) > 1 or (formatted and constraints):
+        given = constraints + (["response_format"] if formatted else [])
+        return invalid("structured_outputs", f"structured_outputs: set one constraint, got {', '.join(given)}")
+    if not constraints and not formatted:  # options alone apply to a response_format
+        return invalid("structured_outputs", "structured_outputs: set one of json, regex, choice or json_object "
+                                             "(or a response_format its options apply to)")
     return None
 
 
