@@ -184,7 +184,8 @@ class EngineCore:
             emitted.append(token)
             detok.add_token(token)
             reason = self._stop_reason(seq, token, detok)
-            if reason is not FinishReason.STOP:  # a complete structure stops, even on the length limit's token
+            # a complete structure stops, even on the length limit's token; a broken grammar aborts, even on EOS
+            if tracked.grammar is not None and (reason is not FinishReason.STOP or tracked.grammar.broken):
                 reason = self._grammar_stop(tracked, token) or reason
             if reason is not None:
                 break
@@ -221,12 +222,13 @@ class EngineCore:
     @staticmethod
     def _grammar_stop(tracked: _Tracked, token: int) -> FinishReason | None:
         """Advance the sequence's grammar by its new token: STOP once the grammar allows nothing more
-        (the structure is complete). A forbidden token cannot come from the masked rows; if one did,
-        the sequence ends (ABORT) rather than emit output its grammar refuses."""
+        (the structure is complete). A forbidden token cannot come from the masked rows, but a matcher
+        can break (a mask past its fuel): the sequence then ends (ABORT) rather than emit output its
+        grammar cannot vouch for."""
         grammar = tracked.grammar
         if grammar is None:
             return None
-        if not grammar.accept(token):
+        if grammar.broken or not grammar.accept(token):
             log.error("request %s: token %d broke its grammar (%s); aborting it", tracked.seq.request_id, token,
                       grammar.error())
             return FinishReason.ABORT

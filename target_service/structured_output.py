@@ -62,23 +62,30 @@ class GrammarLimits:
 class CompiledGrammar:
     """A compiled grammar: a template matcher that each sequence copies."""
 
-    def __init__(self, template) -> None:
+    def __init__(self, template, eos_token_id: int) -> None:
         self._template = template  # llguidance.LLMatcher, never advanced
+        self._eos = eos_token_id
 
     def new_sequence(self) -> SequenceGrammar:
-        return SequenceGrammar(self._template.deep_copy())
+        return SequenceGrammar(self._template.deep_copy(), self._eos)
 
 
 class SequenceGrammar:
     """One sequence's grammar state: what it has emitted so far, and what may follow."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, eos_token_id: int) -> None:
         self._matcher = matcher  # llguidance.LLMatcher
+        self._eos = eos_token_id
 
     @property
     def terminated(self) -> bool:
         """Nothing but the end of the sequence may follow."""
         return self._matcher.is_stopped()
+
+    @property
+    def broken(self) -> bool:
+        """The matcher failed (a forbidden token, a mask past its fuel) and vouches for nothing more."""
+        return self._matcher.is_error()
 
     def accept(self, token: int) -> bool:
         """Advance by an emitted token; False when the grammar forbids it (the matcher is then broken)."""
@@ -94,6 +101,11 @@ class SequenceGrammar:
         from llguidance.torch import fill_next_token_bitmask
 
         fill_next_token_bitmask(self._matcher, bitmask, row)
+        if self._matcher.is_error():  # e.g. a mask past its fuel: the row stays sampleable, accept() ends it
+            bitmask[row] = 0
+            bit = self._eos % BITS
+            bitmask[row, self._eos // BITS] = 1 << bit if bit < BITS - 1 else -(1 << bit)  # int32's sign bit
+            return 0
         advanced = 0
         for token in draft:
             if not _allowed(bitmask[row + advanced], token) or not self._matcher.consume_token(token):
@@ -190,7 +202,7 @@ class GrammarCompiler:
             matcher.compute_bitmask()  # the lexer is built lazily: pay for it here, not in the first step
         if matcher.is_error():
             raise InvalidRequestError(params.field_name, f"cannot be compiled: {_first_line(matcher.get_error())}")
-        return CompiledGrammar(matcher)
+        return CompiledGrammar(matcher, self._tokenizer.eos_token)
 
     def _grammar_text(self, params: StructuredOutputParams) -> str:
         import llguidance

@@ -174,6 +174,18 @@ def test_unconstrained_rows_are_untouched(compiler, tokenizer):
     assert torch.isneginf(logits[3]).sum() >= vocab - 2
 
 
+def test_a_broken_matcher_leaves_only_the_end_allowed(compiler, tokenizer):
+    """A matcher in error (a mask past its fuel, say) must not leave a row of -inf (NaN
+    probabilities would fail the whole batch's step): its row allows EOS alone, and the engine
+    ends that sequence (ABORT) when it sees the grammar broken."""
+    grammar = compiler.compile(StructuredOutputParams(KIND.CHOICE, choices=("yes",))).new_sequence()
+    assert not grammar.accept(tokenizer.encode("}")[0])
+    logits = torch.randn(2, len(tokenizer) + 8)
+    assert constrain_rows(logits, [(0, 2, [5])], [grammar]) == [(0, 1, [])]
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert grammar.broken
+
+
 # ---------------------------------------------------------------- real processes
 
 
