@@ -135,8 +135,9 @@ class EngineCore:
             return []
         self._note_first_scheduling(plan.scheduled)
         tracked = [self._tracked[s.seq.request_id] for s in plan.scheduled if s.samples]
+        verified = self._grammar_checked(tracked, drafts)
         started = time.perf_counter()
-        emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
+        emitted, row_starts = self.runner.execute(plan.scheduled, verified, [t.spec for t in tracked],
                                                   [t.generator for t in tracked],
                                                   [t.grammar for t in tracked])  # host lists: the device is done
         seconds = time.perf_counter() - started
@@ -146,9 +147,25 @@ class EngineCore:
         accepted = {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted) if drafts.get(t.seq.seq_id)}
         outputs = [out for t, tokens in zip(tracked, emitted)
                    if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
-        self.speculator.after_forward(StepRecord(plan.scheduled, drafts, accepted, computed_before, row_starts,
+        self.speculator.after_forward(StepRecord(plan.scheduled, verified, accepted, computed_before, row_starts,
                                                  seconds, prefilled))
         return outputs
+
+    @staticmethod
+    def _grammar_checked(tracked: list[_Tracked], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """The drafts to verify: each constrained sequence's cut at the first token its grammar forbids,
+        which would be rejected anyway, so the forward computes no row for it or after it. A draft cut
+        to nothing stays as [] (the sequence drafted this step); it counts as proposed and rejected."""
+        verified = drafts
+        for t in tracked:
+            draft = drafts.get(t.seq.seq_id)
+            if not draft or t.grammar is None:
+                continue
+            kept = t.grammar.valid_prefix(draft)
+            if kept < len(draft):
+                verified = dict(verified) if verified is drafts else verified  # the proposals stay as they came
+                verified[t.seq.seq_id] = draft[:kept]
+        return verified
 
     def _note_first_scheduling(self, scheduled: list[ScheduledSeq]) -> None:
         now = time.monotonic()

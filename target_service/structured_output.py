@@ -7,8 +7,8 @@ Each sequence gets its own matcher (`SequenceGrammar`), whose state always equal
 sequence's output tokens. The seam in the sampling path is `constrain_rows`: for a sequence
 with drafts d1..dK, row i of its [K+1, V] verify logits is masked with what the grammar
 allows after d1..di, found by advancing the matcher through the drafts and rolling it back.
-A draft the grammar forbids ends the draft there, as a mismatch would: rows after it are
-never read. Greedy or sampled, each row then equals the row of target-only constrained
+A draft token the grammar forbids ends the draft there, as a mismatch would (the engine cuts
+drafts there before the forward, `SequenceGrammar.valid_prefix`, so no row is computed for it). Greedy or sampled, each row then equals the row of target-only constrained
 decoding at that position, so the accept rule (spec_decode.py) keeps the output lossless.
 """
 
@@ -86,6 +86,10 @@ class SequenceGrammar:
     def broken(self) -> bool:
         """The matcher failed (a forbidden token, a mask past its fuel) and vouches for nothing more."""
         return self._matcher.is_error()
+
+    def valid_prefix(self, draft: list[int]) -> int:
+        """How many of the draft's tokens the grammar takes in a row, from its current state (unchanged)."""
+        return self._matcher.validate_tokens(draft)
 
     def accept(self, token: int) -> bool:
         """Advance by an emitted token; False when the grammar forbids it (the matcher is then broken)."""

@@ -156,6 +156,8 @@ def test_verify_rows_are_the_masks_of_decoding_one_token_at_a_time(compiler, tok
             if row < kept:
                 reference.accept(case[row])
         assert torch.equal(logits[kept + 1:], before[kept + 1:]), "rows past a forbidden draft are left alone"
+    for case, kept in cases:  # the cut the engine makes before the forward: the same
+        assert grammar.valid_prefix(case) == kept
     # the matcher was rolled back: it still takes the rest of the valid output
     for token in valid[3:]:
         assert grammar.accept(token)
