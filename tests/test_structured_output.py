@@ -176,6 +176,31 @@ def test_unconstrained_rows_are_untouched(compiler, tokenizer):
     assert torch.isneginf(logits[3]).sum() >= vocab - 2
 
 
+def test_sampled_verify_keeps_the_constrained_distribution(compiler, tokenizer):
+    """Drafts from a drafter that ignores the grammar (some forbidden), masked rows, the rejection
+    sampler: the first emitted token follows the target's distribution restricted to the grammar
+    (chi-square at significance 0.001, 4 degrees of freedom)."""
+    from target_service.sampling import SamplingSpec, make_generator
+    from target_service.spec_decode import verify_tokens
+
+    letters = ("a", "b", "c", "d", "e")
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in letters]
+    grammar = compiler.compile(StructuredOutputParams(KIND.CHOICE, choices=letters)).new_sequence()
+    gen = make_generator(11, torch.device("cpu"))
+    logits = torch.randn(2, len(tokenizer) + 8, generator=make_generator(3, torch.device("cpu"))) * 2  # K = 1
+    proposals = torch.tensor(ids[:2] + [tokenizer.convert_tokens_to_ids(c) for c in ("x", "}")])  # half forbidden
+    counts = torch.zeros(len(ids))
+    for _ in range(4000):
+        rows = logits.clone()
+        draft = [int(proposals[torch.randint(len(proposals), (1,), generator=gen)])]
+        [(lo, hi, kept)] = constrain_rows(rows, [(0, 2, draft)], [grammar])
+        first = verify_tokens(kept, rows[lo:hi], SamplingSpec(temperature=1.0), gen)[0]
+        counts[ids.index(first)] += 1
+    expected = torch.softmax(logits[0, ids], dim=-1)
+    chi_square = float(((counts - expected * counts.sum()) ** 2 / (expected * counts.sum())).sum())
+    assert chi_square < 18.467, (counts, expected)
+
+
 def test_a_broken_matcher_leaves_only_the_end_allowed(compiler, tokenizer):
     """A matcher in error (a mask past its fuel, say) must not leave a row of -inf (NaN
     probabilities would fail the whole batch's step): its row allows EOS alone, and the engine
