@@ -102,6 +102,61 @@ class SpeculationParams:
             )
 
 
+MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema document, as UTF-8
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024  # each choice
+MAX_CHOICES_TOTAL_CHARS = 64 * 1024
+
+
+class StructuredOutputKind(enum.Enum):
+    """Mirrors the oneof `constraint` of splitspec.v1.StructuredOutput; the value is its field name."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """What the output must match. Sizes are bounded here, before anything parses or compiles the
+    spec; what needs the grammar engine (syntax, cost) is checked when it compiles."""
+
+    kind: StructuredOutputKind
+    spec: str = ""  # the JSON schema document (JSON text) or the regex
+    choices: tuple[str, ...] = ()
+    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (compact output)
+
+    def __post_init__(self) -> None:
+        if self.kind is StructuredOutputKind.JSON_SCHEMA:
+            if not self.spec:
+                raise InvalidRequestError(self.field_name, "must not be empty")
+            if len(self.spec) > MAX_SCHEMA_BYTES or len(self.spec.encode()) > MAX_SCHEMA_BYTES:
+                raise InvalidRequestError(self.field_name, f"must be at most {MAX_SCHEMA_BYTES} bytes")
+        elif self.kind is StructuredOutputKind.REGEX:
+            if not self.spec or len(self.spec) > MAX_REGEX_CHARS:
+                raise InvalidRequestError(self.field_name, f"must have 1..{MAX_REGEX_CHARS} characters")
+        elif self.kind is StructuredOutputKind.CHOICE:
+            self._check_choices()
+
+    def _check_choices(self) -> None:
+        if not 0 < len(self.choices) <= MAX_CHOICES:
+            raise InvalidRequestError(self.field_name, f"must list 1..{MAX_CHOICES} choices, got {len(self.choices)}")
+        if any(not c or len(c) > MAX_CHOICE_CHARS for c in self.choices):
+            raise InvalidRequestError(self.field_name, f"each choice must have 1..{MAX_CHOICE_CHARS} characters")
+        if sum(map(len, self.choices)) > MAX_CHOICES_TOTAL_CHARS:
+            raise InvalidRequestError(self.field_name, f"the choices may have at most {MAX_CHOICES_TOTAL_CHARS} "
+                                      "characters together")
+
+    @property
+    def field_name(self) -> str:
+        return f"structured_output.{self.kind.value}"
+
+    def cache_key(self) -> tuple:
+        return self.kind, self.spec, self.choices, self.disable_any_whitespace
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
@@ -109,6 +164,9 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    structured_output: StructuredOutputParams | None = None
+    # its compiled grammar (structured_output.CompiledGrammar), compiled off the event loop before admission
+    grammar: object | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

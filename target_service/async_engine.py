@@ -88,6 +88,8 @@ class AsyncEngine:
         if request.request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")
         validate_prompt(request, self.model_info)
+        if request.structured_output is not None and request.grammar is None:
+            raise InvalidRequestError("structured_output", "its grammar was not compiled before admission")
         if self._core.num_waiting + len(self._pending_adds) >= self._core.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self._core.config.max_waiting} requests)")
 

@@ -23,6 +23,8 @@ from target_service.api_types import (
     SamplingParams,
     SpeculationParams,
     StopParams,
+    StructuredOutputKind,
+    StructuredOutputParams,
     Usage,
     check_prompt_fits,
 )
@@ -70,6 +72,7 @@ def engine_request(msg: pb.GenerateRequest, tokenizer: PromptTokenizer, model_in
         sampling=sampling_params(msg.sampling),
         stop=stop_params(msg.stop, default_max_tokens(len(prompt), model_info, defaults)),
         speculation=speculation_params(msg.speculation),
+        structured_output=structured_output_params(msg),
     )
 
 
@@ -173,6 +176,24 @@ def stop_params(msg: pb.StopParams, default_max: int) -> StopParams:
 
 def speculation_params(msg: pb.SpeculationParams) -> SpeculationParams:
     return SpeculationParams(disable=msg.disable, num_speculative_tokens=msg.num_speculative_tokens)
+
+
+def structured_output_params(msg: pb.GenerateRequest) -> StructuredOutputParams | None:
+    """The request's grammar, None when unset (an empty StructuredOutput names no constraint: refused)."""
+    if not msg.HasField("structured_output"):
+        return None
+    so = msg.structured_output
+    kind = so.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequestError("structured_output", "set one of json_schema, json_object, regex or choice")
+    if kind == "json_object" and not so.json_object:
+        raise InvalidRequestError("structured_output.json_object", "must be true when set")
+    return StructuredOutputParams(
+        kind=StructuredOutputKind(kind),
+        spec=so.json_schema if kind == "json_schema" else so.regex if kind == "regex" else "",
+        choices=tuple(so.choice.choices) if kind == "choice" else (),
+        disable_any_whitespace=so.disable_any_whitespace,
+    )
 
 
 # ---------------------------------------------------------------- responses

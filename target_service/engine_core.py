@@ -28,6 +28,7 @@ from target_service.sampling import SamplingSpec, make_generator
 from target_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
 from target_service.speculation import NoSpeculation, Speculator, StepRecord
+from target_service.structured_output import SequenceGrammar
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class _Tracked:
     detok: IncrementalDetokenizer
     spec: SamplingSpec
     generator: torch.Generator | None
+    grammar: SequenceGrammar | None = None  # structured output: its state follows the emitted tokens
 
 
 class EngineCore:
@@ -102,7 +104,8 @@ class EngineCore:
         spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k)
         generator = None if spec.greedy else make_generator(sampling.seed, self.runner.device)
         detok = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids), request.stop.stop)
-        self._tracked[request.request_id] = _Tracked(seq, detok, spec, generator)
+        grammar = request.grammar.new_sequence() if request.grammar is not None else None
+        self._tracked[request.request_id] = _Tracked(seq, detok, spec, generator, grammar)
         self.scheduler.add(seq)
         self.metrics.on_admitted(seq)
 
@@ -132,9 +135,11 @@ class EngineCore:
             return []
         self._note_first_scheduling(plan.scheduled)
         tracked = [self._tracked[s.seq.request_id] for s in plan.scheduled if s.samples]
+        verified = self._grammar_checked(tracked, drafts)
         started = time.perf_counter()
-        emitted, row_starts = self.runner.execute(plan.scheduled, drafts, [t.spec for t in tracked],
-                                                  [t.generator for t in tracked])  # host lists: the device is done
+        emitted, row_starts = self.runner.execute(plan.scheduled, verified, [t.spec for t in tracked],
+                                                  [t.generator for t in tracked],
+                                                  [t.grammar for t in tracked])  # host lists: the device is done
         seconds = time.perf_counter() - started
         prefilled = any(s.num_query_tokens > 1 for s in plan.scheduled)
         self.metrics.observe_forward(seconds, verified=bool(drafts), prefilled=prefilled)
@@ -142,9 +147,25 @@ class EngineCore:
         accepted = {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted) if drafts.get(t.seq.seq_id)}
         outputs = [out for t, tokens in zip(tracked, emitted)
                    if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
-        self.speculator.after_forward(StepRecord(plan.scheduled, drafts, accepted, computed_before, row_starts,
+        self.speculator.after_forward(StepRecord(plan.scheduled, verified, accepted, computed_before, row_starts,
                                                  seconds, prefilled))
         return outputs
+
+    @staticmethod
+    def _grammar_checked(tracked: list[_Tracked], drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        """The drafts to verify: each constrained sequence's cut at the first token its grammar forbids,
+        which would be rejected anyway, so the forward computes no row for it or after it. A draft cut
+        to nothing stays as [] (the sequence drafted this step); it counts as proposed and rejected."""
+        verified = drafts
+        for t in tracked:
+            draft = drafts.get(t.seq.seq_id)
+            if not draft or t.grammar is None:
+                continue
+            kept = t.grammar.valid_prefix(draft)
+            if kept < len(draft):
+                verified = dict(verified) if verified is drafts else verified  # the proposals stay as they came
+                verified[t.seq.seq_id] = draft[:kept]
+        return verified
 
     def _note_first_scheduling(self, scheduled: list[ScheduledSeq]) -> None:
         now = time.monotonic()
@@ -180,6 +201,9 @@ class EngineCore:
             emitted.append(token)
             detok.add_token(token)
             reason = self._stop_reason(seq, token, detok)
+            # a complete structure stops, even on the length limit's token; a broken grammar aborts, even on EOS
+            if tracked.grammar is not None and (reason is not FinishReason.STOP or tracked.grammar.broken):
+                reason = self._grammar_stop(tracked, token) or reason
             if reason is not None:
                 break
         self._note_tokens(seq, len(emitted))
@@ -211,6 +235,21 @@ class EngineCore:
         if seq.num_tokens >= self.model_info.max_model_len:
             return FinishReason.MODEL_LENGTH
         return None
+
+    @staticmethod
+    def _grammar_stop(tracked: _Tracked, token: int) -> FinishReason | None:
+        """Advance the sequence's grammar by its new token: STOP once the grammar allows nothing more
+        (the structure is complete). A forbidden token cannot come from the masked rows, but a matcher
+        can break (a mask past its fuel): the sequence then ends (ABORT) rather than emit output its
+        grammar cannot vouch for."""
+        grammar = tracked.grammar
+        if grammar is None:
+            return None
+        if grammar.broken or not grammar.accept(token):
+            log.error("request %s: token %d broke its grammar (%s); aborting it", tracked.seq.request_id, token,
+                      grammar.error())
+            return FinishReason.ABORT
+        return FinishReason.STOP if grammar.terminated else None
 
     def _finish_output(self, tracked: _Tracked, reason: FinishReason, tokens: tuple[int, ...]) -> RequestOutput:
         self.metrics.on_finished(tracked.seq, reason.name.lower(), time.monotonic())

@@ -12,6 +12,7 @@ from common.kv_pool import PagePool
 from target_service.sampling import SamplingSpec
 from target_service.scheduler import ScheduledSeq
 from target_service.spec_decode import verify_batch
+from target_service.structured_output import SequenceGrammar, constrain_rows
 
 
 @dataclass
@@ -74,11 +75,13 @@ class ModelRunner:
         drafts: dict[int, list[int]],
         specs: list[SamplingSpec],
         generators: list[torch.Generator | None],
+        grammars: list[SequenceGrammar | None] | None = None,
     ) -> tuple[list[list[int]], list[int]]:
         """One step (prefill chunks, decodes and verifies together).
 
         Returns the tokens each sampling sequence emits (1..K+1, in order) and the first
-        staging row of every scheduled sequence.
+        staging row of every scheduled sequence. `grammars` (per sampling sequence, None where
+        unconstrained) mask their verify rows before the accept rule reads them.
         """
         inputs = self.build_inputs(scheduled, drafts)
         self.backend.plan(inputs.meta)
@@ -89,6 +92,8 @@ class ModelRunner:
         if not spans:  # a step of prefill chunks only: no logits are read
             return [], inputs.row_starts
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
+        if grammars is not None:
+            spans = constrain_rows(logits, spans, grammars)
         return verify_batch(spans, logits, specs, generators), inputs.row_starts
 
     def _stage_hidden(self, captured: dict[int, torch.Tensor], num_tokens: int) -> None:

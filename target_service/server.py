@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from target_service.api_types import (
 from target_service.async_engine import AsyncEngine
 from target_service.config import EngineConfig
 from target_service.prompt_tokens import PromptTokenizer
+from target_service.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +87,25 @@ class EngineSlot:
 
 
 class PromptReader:
-    """GenerateRequest → EngineRequest, tokenizing on a few threads of its own.
+    """GenerateRequest → EngineRequest, tokenizing (and compiling a structured output's grammar)
+    on a few threads of its own.
 
     Never on the event loop: a 12 MB text once took 12 s to tokenize there, and every
     stream stopped meanwhile; on a thread the others go on (the tokenizer releases the
     GIL). At most `threads` prompts are tokenized at once, so a flood of long texts waits
     in line instead of fanning memory out; text that cannot fit the model is refused
-    before it is tokenized."""
+    before it is tokenized. A grammar is compiled there too (its size bounded first), and kept
+    in the compiler's bounded cache."""
 
     def __init__(self, defaults: convert.RequestDefaults, threads: int = 2) -> None:
         self._defaults = defaults
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._limits: convert.PromptLimits | None = None
         self._tokenizer: PromptTokenizer | None = None
+        self._grammars: GrammarCompiler | None = None
 
     async def read(self, msg: pb.GenerateRequest, engine: EngineClient) -> EngineRequest:
-        if msg.WhichOneof("input") not in ("text", "chat"):
+        if msg.WhichOneof("input") not in ("text", "chat") and not msg.HasField("structured_output"):
             return self._convert(msg, engine)
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._convert, msg, engine)
 
@@ -109,7 +114,17 @@ class PromptReader:
             self._limits = convert.PromptLimits.of(engine.tokenizer(), engine.model_info)
         if self._tokenizer is None:  # likewise
             self._tokenizer = PromptTokenizer(engine.tokenizer())
-        return convert.engine_request(msg, self._tokenizer, engine.model_info, self._defaults, self._limits)
+        request = convert.engine_request(msg, self._tokenizer, engine.model_info, self._defaults, self._limits)
+        if request.structured_output is None:
+            return request
+        grammar = self.grammars(engine).compile(request.structured_output)
+        return dataclasses.replace(request, grammar=grammar)
+
+    def grammars(self, engine: EngineClient) -> GrammarCompiler:
+        if self._grammars is None:  # once per server (a racing thread's copy is dropped)
+            info = engine.model_info
+            self._grammars = GrammarCompiler(engine.tokenizer(), info.vocab_size, info.eos_token_ids)
+        return self._grammars
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -7,6 +7,8 @@ so the gateway holds no tokenizer and cannot disagree with the target about it.
 
 from __future__ import annotations
 
+import json
+
 from splitspec.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +45,28 @@ def _sampling(req: SamplingRequest, max_tokens: int | None, request: pb.Generate
     if req.speculation is not None:
         request.speculation.disable = req.speculation.disable
         request.speculation.num_speculative_tokens = req.speculation.num_speculative_tokens
+    _structured_output(req, request)
+
+
+def _structured_output(req: SamplingRequest, request: pb.GenerateRequest) -> None:
+    """response_format (OpenAI) or structured_outputs (vLLM) → StructuredOutput; `validation` saw
+    that one constraint at most is set, and that it is complete."""
+    fmt, so = req.response_format, req.structured_outputs
+    target = request.structured_output
+    if fmt is not None and fmt.type == "json_object":
+        target.json_object = True
+    elif fmt is not None and fmt.type == "json_schema":
+        target.json_schema = json.dumps(fmt.json_schema.json_schema, ensure_ascii=False)
+    elif so is not None and so.json_ is not None:
+        target.json_schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_, ensure_ascii=False)
+    elif so is not None and so.regex is not None:
+        target.regex = so.regex
+    elif so is not None and so.choice is not None:
+        target.choice.choices.extend(so.choice)
+    elif so is not None and so.json_object:
+        target.json_object = True
+    if so is not None:  # its options apply to a response_format too
+        target.disable_any_whitespace = so.disable_any_whitespace
 
 
 def completion_request(req: CompletionRequest, request_id: str) -> pb.GenerateRequest:

@@ -3,7 +3,7 @@
 Request models are strict (no string-to-number, bool-to-number or number-to-string
 coercion: `"0"` is not a temperature) and forbid unknown fields: a parameter the gateway
 does not know is a 400 naming it, never silently ignored. Known OpenAI parameters that
-splitspec cannot honour (`n > 1`, `logprobs`, tools, penalties, ...) are accepted by the
+splitspec cannot honour (`n > 1`, `logprobs`, tools, penalties, a lark grammar, ...) are accepted by the
 schema and refused by `validation.check_*` with a 400 that says so. Types and the ranges
 protobuf can hold are checked here, the rest in `validation`.
 """
@@ -40,6 +40,48 @@ class SpeculationOptions(Strict):
     num_speculative_tokens: Int32 = 0  # 0: the server's K
 
 
+class JsonSchemaSpec(Strict):
+    """OpenAI's `response_format.json_schema`: the schema the output must match. `strict` is
+    accepted and changes nothing: the grammar is always enforced."""
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = Field(default=None, max_length=4096)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text", "json_object" or "json_schema" (other types are
+    refused by `validation`, naming the type)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str = Field(max_length=64)
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsOptions(Strict):
+    """vLLM's extra field `structured_outputs`: one of json, regex, choice or json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=MAX_LIST_ITEMS)] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False  # there is no fallback: a grammar that cannot compile is a 400 anyway
+    # vLLM's, refused by `validation` as unsupported when set
+    grammar: str | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+
+    def constraints(self) -> list[str]:
+        """The constraint fields set, by their vLLM names."""
+        named = {"json": self.json_, "regex": self.regex, "choice": self.choice,
+                 "json_object": self.json_object or None, "grammar": self.grammar,
+                 "structural_tag": self.structural_tag}
+        return [name for name, value in named.items() if value is not None]
+
+
 class SamplingRequest(Strict):
     """What completions and chat completions share."""
 
@@ -63,6 +105,8 @@ class SamplingRequest(Strict):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST_ITEMS)] | None = None
     speculation: SpeculationOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsOptions | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -114,11 +158,6 @@ class ChatMessage(Strict):
     refusal: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str = Field(max_length=64)
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_LIST_ITEMS)]
     max_completion_tokens: Int32 | None = None
@@ -128,7 +167,6 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True  # vLLM's extra field
 
 

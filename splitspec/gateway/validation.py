@@ -128,7 +128,44 @@ def _unsupported_common(req: SamplingRequest) -> OpenAIError | None:
 
 
 def check_common(req: SamplingRequest) -> OpenAIError | None:
-    return check_sampling_values(req) or _unsupported_common(req)
+    return check_sampling_values(req) or _unsupported_common(req) or check_structured_output(req)
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def check_structured_output(req: SamplingRequest) -> OpenAIError | None:
+    """`response_format` and vLLM's `structured_outputs`: one constraint at most, with what it needs.
+    The target compiles it and names what is wrong inside a schema or a regex."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None:
+        if fmt.type not in RESPONSE_FORMATS:
+            return unsupported("response_format.type", f"response_format.type {sent(fmt.type)} is not supported "
+                                                       f"(only {', '.join(map(repr, RESPONSE_FORMATS))})")
+        if fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.json_schema is None):
+            return invalid("response_format.json_schema", "response_format.json_schema.schema is required with "
+                                                          "type 'json_schema'")
+        if fmt.type != "json_schema" and fmt.json_schema is not None:
+            return invalid("response_format.json_schema", f"response_format.json_schema needs type 'json_schema', "
+                                                          f"not {sent(fmt.type)}")
+    if so is None:
+        return None
+    for name in ("grammar", "structural_tag", "whitespace_pattern"):
+        if getattr(so, name) is not None:
+            return unsupported(f"structured_outputs.{name}", f"structured_outputs.{name} is not supported (json, "
+                                                             "regex, choice and json_object are)")
+    if so.disable_additional_properties:
+        return unsupported("structured_outputs.disable_additional_properties",
+                           "structured_outputs.disable_additional_properties is not supported")
+    constraints = so.constraints()
+    formatted = fmt is not None and fmt.type != "text"
+    if len(constraints) > 1 or (formatted and constraints):
+        given = constraints + (["response_format"] if formatted else [])
+        return invalid("structured_outputs", f"structured_outputs: set one constraint, got {', '.join(given)}")
+    if not constraints and not formatted:  # options alone apply to a response_format
+        return invalid("structured_outputs", "structured_outputs: set one of json, regex, choice or json_object "
+                                             "(or a response_format its options apply to)")
+    return None
 
 
 def check_completion(req: CompletionRequest) -> OpenAIError | None:
@@ -165,9 +202,6 @@ def check_chat(req: ChatCompletionRequest) -> OpenAIError | None:
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if getattr(req, name) not in (None, [], "none"):
             return unsupported(name, f"{name}: tool and function calling is not supported")
-    if req.response_format is not None and req.response_format.type != "text":
-        return unsupported("response_format",
-                           f"response_format {req.response_format.type!r} is not supported (only 'text')")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         return invalid("max_tokens", "give max_tokens or max_completion_tokens, not both")
     for i, message in enumerate(req.messages):
@@ -190,9 +224,23 @@ def _unsupported_message(i: int, message: ChatMessage) -> OpenAIError | None:
 
 def param_aliases(req: SamplingRequest) -> dict[str, str]:
     """How the target's refusals (named after the completion API) map to what this request sent."""
+    aliases = _structured_output_aliases(req)
     if not isinstance(req, ChatCompletionRequest):
-        return {}
-    aliases = {"prompt": "messages"}
+        return aliases
+    aliases["prompt"] = "messages"
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     return aliases
+
+
+def _structured_output_aliases(req: SamplingRequest) -> dict[str, str]:
+    """The target's structured_output.* fields as the parameter this request set."""
+    if req.structured_outputs is not None:
+        return {"structured_output.json_schema": "structured_outputs.json",
+                "structured_output.regex": "structured_outputs.regex",
+                "structured_output.choice": "structured_outputs.choice",
+                "structured_output.json_object": "structured_outputs.json_object"}
+    if req.response_format is not None:
+        return {"structured_output.json_schema": "response_format.json_schema.schema",
+                "structured_output.json_object": "response_format"}
+    return {}
