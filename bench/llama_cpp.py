@@ -40,8 +40,8 @@ from target_service.engine import build_engine_core  # noqa: E402
 
 CONVERT = """
 import sys
-converter = sys.argv[1]
-sys.path[:0] = [converter, converter + "/gguf-py"]
+converter, packages = sys.argv[1], sys.argv[2]
+sys.path[:0] = [converter, converter + "/gguf-py", packages]
 import conversion.base as base
 owner = next(c for c in vars(base).values() if isinstance(c, type) and "get_vocab_base_pre" in vars(c))
 known = owner.get_vocab_base_pre
@@ -51,17 +51,20 @@ def pre_tokenizer(self, tokenizer):
     except NotImplementedError:  # the demo tokenizer: GPT-2-style byte-level BPE
         return "gpt-2"
 owner.get_vocab_base_pre = pre_tokenizer
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 import convert_hf_to_gguf
 convert_hf_to_gguf.main()
 """
 
 
-def convert(target: Path, converter: Path, outtype: str, out_dir: Path) -> Path:
+def convert(target: Path, llama_cpp: Path, outtype: str, out_dir: Path) -> Path:
     """The target as GGUF of `outtype` (f32 | bf16), by llama.cpp's converter in its own process."""
     out = out_dir / f"target-{outtype}.gguf"
-    subprocess.run([sys.executable, "-c", CONVERT, str(converter), str(target), "--outfile", str(out),
-                    "--outtype", outtype], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-c", CONVERT, str(llama_cpp / "converter"), str(llama_cpp / "python"),
+                           str(target), "--outfile", str(out),
+                           "--outtype", outtype], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed:\n{done.stderr[-2000:]}")
     return out
 
 
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, int, float]] = []
     notes: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        ggufs = {t: convert(args.models / "target", args.llama_cpp / "converter", t, Path(tmp))
+        ggufs = {t: convert(args.models / "target", args.llama_cpp, t, Path(tmp))
                  for t in args.types.split(",")}
         for concurrency in levels:
             ours, our_outputs = splitspec_row(args.models, prompts, args.new_tokens, concurrency, args.repeat, tmp,

@@ -15,8 +15,8 @@ fi
 if [ ! -d "$DEST/python/llama_cpp" ]; then
   CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     $PY -m pip install --quiet --no-deps --target "$DEST/python" "$DEST/src/llama_cpp_python-$VERSION.tar.gz"
-  # its runtime dependencies the venv lacks (numpy is there); --no-deps keeps torch as pinned
-  $PY -m pip install --quiet --no-deps --target "$DEST/python" diskcache
+  # what it and the converter need beyond the venv (numpy is there); --no-deps keeps torch as pinned
+  $PY -m pip install --quiet --no-deps --target "$DEST/python" diskcache sentencepiece
 fi
 if [ ! -f "$DEST/converter/convert_hf_to_gguf.py" ]; then
   mkdir -p "$DEST/converter"
