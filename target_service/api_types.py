@@ -109,12 +109,14 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    cache_salt: str = ""  # mixed into the prefix cache's hashes: only requests with the same salt share pages
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

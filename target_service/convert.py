@@ -29,6 +29,7 @@ from target_service.api_types import (
 from target_service.prompt_tokens import PromptTokenizer
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,14 @@ def engine_request(msg: pb.GenerateRequest, tokenizer: PromptTokenizer, model_in
         sampling=sampling_params(msg.sampling),
         stop=stop_params(msg.stop, default_max_tokens(len(prompt), model_info, defaults)),
         speculation=speculation_params(msg.speculation),
+        cache_salt=cache_salt(msg.cache_salt),
     )
+
+
+def cache_salt(given: str) -> str:
+    if len(given) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError("cache_salt", f"must have at most {MAX_CACHE_SALT_CHARS} characters")
+    return given
 
 
 def request_id(given: str) -> str:
@@ -194,6 +202,7 @@ def usage(u: Usage) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=u.prompt_tokens,
         completion_tokens=u.completion_tokens,
+        cached_tokens=u.cached_tokens,
         num_drafts=u.num_drafts,
         draft_tokens=u.draft_tokens,
         accepted_tokens=u.accepted_tokens,
