@@ -231,10 +231,18 @@ def server_info(info: dict) -> pb.ServerInfo:
         running=info.get("running", 0),
         waiting=info.get("waiting", 0),
         drafter=drafter_state(info.get("drafter") or {}),
+        prefix_cache=prefix_cache_state(info.get("prefix_cache") or {}),
     )
     if info.get("kv_layout") is not None:
         msg.kv_layout.CopyFrom(kv_layout_to_proto(info["kv_layout"]))
     return msg
+
+
+def prefix_cache_state(state: dict) -> pb.PrefixCacheState:
+    """`PageManager.describe_cache()` as a PrefixCacheState."""
+    return pb.PrefixCacheState(enabled=state.get("enabled", False), cached_pages=state.get("cached_pages", 0),
+                               evictable_pages=state.get("evictable_pages", 0), query_tokens=state.get("queries", 0),
+                               hit_tokens=state.get("hits", 0), evictions=state.get("evictions", 0))
 
 
 def drafter_state(state: dict) -> pb.DrafterState:

@@ -63,6 +63,8 @@ class SamplingRequest(Strict):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST_ITEMS)] | None = None
     speculation: SpeculationOptions | None = None
+    # vLLM's: only requests with the same salt share cached prompt KV (the target bounds it)
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -163,10 +165,15 @@ class SpeculationUsage(BaseModel):
     accepted_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the target's prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     speculation: SpeculationUsage  # splitspec's addition: the drafter's work for this request
 
 

@@ -182,20 +182,38 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("kv_layout", "num_pages", "free_pages", "running", "waiting", "drafter")
+    __slots__ = ("kv_layout", "num_pages", "free_pages", "running", "waiting", "drafter", "prefix_cache")
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     kv_layout: _kv_layout_pb2.KVLayout
     num_pages: int
     free_pages: int
     running: int
     waiting: int
     drafter: DrafterState
-    def __init__(self, kv_layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., drafter: _Optional[_Union[DrafterState, _Mapping]] = ...) -> None: ...
+    prefix_cache: PrefixCacheState
+    def __init__(self, kv_layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., drafter: _Optional[_Union[DrafterState, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheState, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheState(_message.Message):
+    __slots__ = ("enabled", "cached_pages", "evictable_pages", "query_tokens", "hit_tokens", "evictions")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    cached_pages: int
+    evictable_pages: int
+    query_tokens: int
+    hit_tokens: int
+    evictions: int
+    def __init__(self, enabled: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class DrafterState(_message.Message):
     __slots__ = ("status", "address", "kind", "num_speculative_tokens", "epoch", "detail", "propose_transport")
