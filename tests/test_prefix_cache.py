@@ -263,3 +263,30 @@ def test_preempted_sequence_finds_its_own_pages_again():
     sched.remove(b)
     pm.check_invariants()
     assert pm.num_free_pages == 8
+
+
+def test_a_prefix_computed_again_takes_the_hash_from_an_unheld_page_only():
+    pm = PageManager(16, PAGE)
+    a = _seq(0, range(1, 10))
+    _compute(pm, a)
+    old = a.page_table[:2]
+    pm.free(a)
+    # Computed again without using the cache (a drafter that needed its own layers): the new
+    # pages replace the unheld old ones, which become free
+    b = _seq(1, range(1, 10))
+    pm.allocate(b, 9)
+    b.num_computed_tokens = 9
+    pm.commit(b)
+    assert pm.find_prefix(_seq(2, range(1, 10))).pages == tuple(b.page_table[:2])
+    assert not any(pm.is_cached(p) for p in old)
+    # While b holds them, a third copy stays private
+    c = _seq(3, range(1, 10))
+    pm.allocate(c, 9)
+    c.num_computed_tokens = 9
+    pm.commit(c)
+    assert pm.find_prefix(_seq(4, range(1, 10))).pages == tuple(b.page_table[:2])
+    assert not any(pm.is_cached(p) for p in c.page_table)
+    pm.free(b)
+    pm.free(c)
+    pm.check_invariants()
+    assert pm.num_free_pages == 16 and pm.num_cached_pages == 2
