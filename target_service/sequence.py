@@ -49,7 +49,7 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     drafter_epoch: int | None = None  # the handshake epoch whose drafter saw this sequence from its start
     drafter_pages_sent: int = 0  # page-table entries the drafter already knows
-    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages (page_manager.py)
+    page_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained hashes of its full pages (page_manager.py)
     num_committed_pages: int = 0  # leading pages of page_table offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     num_started_tokens: int = 0  # tokens cached when it was last admitted: its first forward starts there
