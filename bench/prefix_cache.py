@@ -3,7 +3,8 @@
 Conversations (--conversations, 8, all at once: concurrency 8) share one system prompt
 (--system-tokens, 1024); each runs --turns turns one after another, a turn's prompt being the
 system prompt, every earlier user message with the answer the engine gave it, and a new
-user message (--user-tokens). Both engines are built and warmed up first, in this process,
+user message (--user-tokens); answers are 0.5-1.5x --new-tokens long, drawn per turn, so the
+conversations drift apart as chats do rather than prefilling in lockstep. Both engines are built and warmed up first, in this process,
 on one random Qwen3 checkpoint; the runs then take turns (--repeats each, the cache emptied
 before each run), and each figure is the median over the repeats.
 
@@ -46,6 +47,7 @@ VOCAB_LOW, VOCAB_HIGH = 5, 500  # token ids the random prompts draw from (the ti
 class Conversation:
     index: int
     user_messages: list[list[int]]
+    answer_lengths: list[int]
     history: list[int] = field(default_factory=list)
     turn: int = 0
     request_id: str = ""
@@ -64,18 +66,28 @@ class RunResult:
     answers: dict[tuple[int, int], list[int]]  # (conversation, turn) → generated tokens
 
 
-def make_workload(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
+@dataclass(frozen=True)
+class Workload:
+    system: list[int]
+    users: list[list[list[int]]]  # per conversation, per turn: the user message
+    answer_lengths: list[list[int]]  # per conversation, per turn: max_tokens
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
     rng = random.Random(args.seed)
     system = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.system_tokens)]
     users = [[[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.user_tokens)] for _ in range(args.turns)]
              for _ in range(args.conversations)]
-    return system, users
+    lengths = [[rng.randrange(max(1, args.new_tokens // 2), args.new_tokens * 3 // 2 + 1) for _ in range(args.turns)]
+               for _ in range(args.conversations)]
+    return Workload(system, users, lengths)
 
 
-def run(core: EngineCore, system: list[int], users: list[list[list[int]]], new_tokens: int, tag: str) -> RunResult:
+def run(core: EngineCore, workload: Workload, tag: str) -> RunResult:
     """Every conversation at once, each turn added the moment the previous one finishes."""
     core.page_manager.reset_prefix_cache()
-    convs = [Conversation(i, messages, list(system)) for i, messages in enumerate(users)]
+    convs = [Conversation(i, messages, lengths, list(workload.system))
+             for i, (messages, lengths) in enumerate(zip(workload.users, workload.answer_lengths))]
     by_request: dict[str, Conversation] = {}
     result = RunResult(0.0, [], [], 0, 0, 0, {})
 
@@ -86,7 +98,7 @@ def run(core: EngineCore, system: list[int], users: list[list[list[int]]], new_t
         by_request[conv.request_id] = conv
         conv.added_at = time.perf_counter()
         core.add(EngineRequest(conv.request_id, tuple(conv.history),
-                               stop=StopParams(max_tokens=new_tokens, ignore_eos=True)))
+                               stop=StopParams(max_tokens=conv.answer_lengths[conv.turn], ignore_eos=True)))
         result.prompt_tokens += len(conv.history)
 
     started = time.perf_counter()
@@ -129,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--user-tokens", type=int, default=48)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32, help="an answer's mean length")
     parser.add_argument("--conversations", type=int, default=8, help="conversations at once (the concurrency)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
@@ -140,8 +152,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    system, users = make_workload(args)
-    max_len = args.system_tokens + args.turns * (args.user_tokens + args.new_tokens) + 64
+    workload = make_workload(args)
+    max_len = args.system_tokens + args.turns * (args.user_tokens + 2 * args.new_tokens) + 64
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_qwen3(Path(tmp) / "model", hidden_size=args.hidden_size,
                                intermediate_size=3 * args.hidden_size, num_hidden_layers=args.layers,
@@ -151,14 +163,15 @@ def main() -> None:
         results: dict[str, list[RunResult]] = {name: [] for name in engines}
         for repeat in range(args.repeats):
             for name, core in engines.items():  # the rows take turns: a drift of the machine hits both
-                results[name].append(run(core, system, users, args.new_tokens, f"{name[-3:].strip()}{repeat}"))
+                results[name].append(run(core, workload, f"{name[-3:].strip()}{repeat}"))
         for core in engines.values():
             core.close()
 
     identical = all(r.answers == results["cache off"][0].answers for runs in results.values() for r in runs)
     print(f"\nPrefix caching, chat-shaped: {args.conversations} conversations at once, a shared system prompt of "
           f"{args.system_tokens} tokens, {args.turns} turns of {args.user_tokens} user tokens and "
-          f"{args.new_tokens} generated tokens; random Qwen3 (hidden {args.hidden_size}, {args.layers} layers), "
+          f"{args.new_tokens // 2}-{args.new_tokens * 3 // 2} generated tokens; "
+          f"random Qwen3 (hidden {args.hidden_size}, {args.layers} layers), "
           f"float32 — {date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}; median of {args.repeats} runs each, taking turns\n")
     print("| run | TTFT, later turns p50 ms | mean ms | TTFT, first turns p50 ms | output tok/s | "
