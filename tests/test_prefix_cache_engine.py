@@ -238,10 +238,11 @@ def test_preemption_and_abort_of_sequences_sharing_pages(checkpoints, tmp_path):
     core.close()
 
 
-def test_no_prefix_caching_and_metrics(checkpoints, tmp_path):
+def test_prefix_cache_metrics_and_state(checkpoints, tmp_path):
     core = _core(checkpoints, tmp_path, None)
     requests = chat_requests("m", turns=2)
-    run_all(core, requests)
+    run_all(core, requests[:1])  # admitted in one step, the others would all compute SYSTEM at once
+    run_all(core, requests[1:])
     queries = core.metrics.prefix_cache_queries._value.get()
     hits = core.metrics.prefix_cache_hits._value.get()
     assert queries == sum(len(r.prompt_token_ids) for r in requests)
