@@ -119,7 +119,7 @@ def _tokens(results) -> dict[str, list[int]]:
     return {rid: tokens for rid, (tokens, _) in results.items()}
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_warm_cache_output_equals_cache_off(checkpoints, tmp_path, kind, kv_dtype):
     for sampled in (False, True):
