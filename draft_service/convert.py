@@ -72,6 +72,7 @@ def update(msg: dpb.SequenceUpdate) -> Update:
         new_pages=tuple(msg.new_pages),
         staging_row=msg.staging_row,
         num_speculative_tokens=msg.num_speculative_tokens,
+        cached_context_tokens=msg.cached_context_tokens,
     )
 
 
@@ -96,5 +97,6 @@ def attach_response(reply: AttachReply) -> dpb.AttachResponse:
                               mapped_epochs=list(reply.mapped_epochs), channel_serving=reply.channel_serving)
 
 
-def propose_response(drafts: dict[int, list[int]]) -> dpb.ProposeResponse:
-    return dpb.ProposeResponse(drafts=[dpb.Draft(seq_id=s, token_ids=t) for s, t in drafts.items() if t])
+def propose_response(drafts: dict[int, list[int]], written: dict[int, int] | None = None) -> dpb.ProposeResponse:
+    return dpb.ProposeResponse(drafts=[dpb.Draft(seq_id=s, token_ids=t) for s, t in drafts.items() if t],
+                               written=[dpb.ContextWritten(seq_id=s, num_tokens=n) for s, n in (written or {}).items()])

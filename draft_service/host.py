@@ -372,6 +372,11 @@ class DrafterHost:
             if u.seq_id in seen:
                 raise InvalidArgumentError(f"{where}.seq_id", f"{u.seq_id} appears twice")
             seen.add(u.seq_id)
+            if u.cached_context_tokens and u.context_start != 0:
+                raise InvalidArgumentError(f"{where}.cached_context_tokens", "is only allowed with context_start 0")
+            if u.cached_context_tokens > len(u.context_token_ids):
+                message = (f"{u.cached_context_tokens} exceeds the {len(u.context_token_ids)} context tokens")
+                raise InvalidArgumentError(f"{where}.cached_context_tokens", message)
             for name, ids in (("context_token_ids", u.context_token_ids), ("last_token_id", (u.last_token_id,))):
                 bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
                 if bad:
@@ -383,8 +388,8 @@ class DrafterHost:
             if bad_pages:
                 message = f"page id {bad_pages[0]} >= num_pages {layout.num_pages}"
                 raise InvalidArgumentError(f"{where}.new_pages", message)
-            if drafter.feature_width and u.context_token_ids:
-                end = u.staging_row + len(u.context_token_ids)
+            if drafter.feature_width and u.num_staged_rows:
+                end = u.staging_row + u.num_staged_rows
                 if end > layout.staging.rows:
                     message = f"rows [{u.staging_row}, {end}) exceed the {layout.staging.rows} staging rows"
                     raise InvalidArgumentError(f"{where}.staging_row", message)
@@ -410,9 +415,17 @@ class DrafterHost:
             return [None] * len(updates)
         staging = drafter.pool.staging()  # [rows, width]
         return [
-            staging[u.staging_row : u.staging_row + len(u.context_token_ids)].clone() if u.context_token_ids else None
+            staging[u.staging_row : u.staging_row + u.num_staged_rows].clone() if u.num_staged_rows else None
             for u in updates
         ]
+
+    def written_context(self, updates: tuple[Update, ...]) -> dict[int, int]:
+        """Per sequence of a Propose, how far its draft KV is written (empty for a drafter
+        without layers, or before Attach)."""
+        drafter = self.require()
+        if not drafter.cache_config.is_layout_resolved:
+            return {}
+        return drafter.written_context(u.seq_id for u in updates)
 
     # -- Release ---------------------------------------------------------------------------
 

@@ -80,7 +80,9 @@ def attach(host: DrafterHost, request: dpb.AttachRequest) -> dpb.AttachResponse:
 def propose(host: DrafterHost, request: dpb.ProposeRequest) -> dpb.ProposeResponse:
     """One batched step: the target's new context and releases in, drafts out."""
     with host.lock:
-        return convert.propose_response(host.propose(convert.propose_args(request)))
+        args = convert.propose_args(request)
+        drafts = host.propose(args)
+        return convert.propose_response(drafts, host.written_context(args.updates))
 
 
 def release(host: DrafterHost, request: dpb.ReleaseRequest) -> dpb.ReleaseResponse:

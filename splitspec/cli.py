@@ -126,8 +126,8 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
 def format_usage(complete: pb.Complete) -> str:
     u = complete.usage
     reason = pb.FinishReason.Name(complete.finish_reason).removeprefix("FINISH_REASON_").lower()
-    line = (f"finish_reason={reason} prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens}"
-            f" num_drafts={u.num_drafts} draft_tokens={u.draft_tokens} accepted_tokens={u.accepted_tokens}")
+    line = (f"finish_reason={reason} prompt_tokens={u.prompt_tokens} cached_tokens={u.cached_tokens}"
+            f" completion_tokens={u.completion_tokens} num_drafts={u.num_drafts} draft_tokens={u.draft_tokens} accepted_tokens={u.accepted_tokens}")
     if u.draft_tokens:
         line += f" acceptance={u.accepted_tokens / u.draft_tokens:.2f}"
     if u.num_drafts:  # tokens per drafted step, the bonus token included (vLLM's "mean acceptance length")
@@ -197,6 +197,7 @@ def format_info(model: pb.ModelInfo, server: pb.ServerInfo) -> str:
         ("running", server.running), ("waiting", server.waiting),
         ("pages free", f"{server.free_pages} / {server.num_pages}"),
     ])]
+    lines += ["prefix cache", *_rows(_prefix_cache_rows(server.prefix_cache))]
     status = _enum_name(pb.DrafterState.Status, drafter.status, "STATUS_").lower()
     drafter_rows = [("status", status)]
     if drafter.status != pb.DrafterState.STATUS_NONE:
@@ -208,6 +209,14 @@ def format_info(model: pb.ModelInfo, server: pb.ServerInfo) -> str:
     lines += ["drafter", *_rows(drafter_rows)]
     lines += _layout_lines(server)
     return "\n".join(lines)
+
+
+def _prefix_cache_rows(cache: pb.PrefixCacheState) -> list[tuple[str, object]]:
+    if not cache.enabled:
+        return [("status", "off (--no-prefix-caching)")]
+    rate = f"{cache.hit_tokens / cache.query_tokens:.1%}" if cache.query_tokens else "-"
+    return [("status", "on"), ("cached pages", f"{cache.cached_pages} ({cache.evictable_pages} evictable)"),
+            ("hit rate", f"{rate} of {cache.query_tokens} prompt tokens"), ("evictions", cache.evictions)]
 
 
 def _layout_lines(server: pb.ServerInfo) -> list[str]:

@@ -13,3 +13,4 @@ NUM_SPECULATIVE_TOKENS = 8  # K, the most drafts a step asks a sequence for
 PROPOSE_TIMEOUT_S = 2.0  # the per-step Propose deadline, after which the target decodes without drafts
 SPECULATIVE_POLICIES = ("adaptive", "fixed")  # how many drafts a step asks for: what pays (0..K), or always K
 SPECULATIVE_POLICY = "adaptive"
+ENABLE_PREFIX_CACHING = True  # the target reuses the KV of cached full prompt pages (--no-prefix-caching: off)

@@ -84,6 +84,8 @@ def add_parser(sub) -> None:
                    help="per-step Propose deadline")
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences in a running batch (sizes the KV pool)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV page dtype (auto: float32 on CPU; or fp8)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=defaults.ENABLE_PREFIX_CACHING,
+                   help="the target reuses the KV of cached prompt pages (--no-prefix-caching: every prompt computed)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where the shared KV pool file lives")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health and handshake")
     p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each service gets to stop on SIGTERM")
@@ -305,6 +307,7 @@ def target_args(args: argparse.Namespace, target_dir: Path, drafter_address: str
                "--drafter-timeout-s", str(args.drafter_timeout_s)] if drafter_address else []
     return ["--model", str(target_dir), "--host", args.host, "--port", str(port), *drafter,
             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-dtype", args.kv_cache_dtype,
+            "--prefix-caching" if args.prefix_caching else "--no-prefix-caching",
             "--shm-dir", args.shm_dir, "--metrics-port", str(args.metrics_port), "--shutdown-grace-s", "5",
             "--log-level", args.log_level]
 

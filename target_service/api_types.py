@@ -164,6 +164,7 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: StopParams = field(default_factory=StopParams)
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    cache_salt: str = ""  # mixed into the prefix cache's hashes: only requests with the same salt share pages
     structured_output: StructuredOutputParams | None = None
     # its compiled grammar (structured_output.CompiledGrammar), compiled off the event loop before admission
     grammar: object | None = field(default=None, compare=False, repr=False)
@@ -173,6 +174,7 @@ class EngineRequest:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

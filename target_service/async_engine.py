@@ -166,6 +166,7 @@ class AsyncEngine:
             "running": state.running,
             "waiting": state.waiting + len(self._pending_adds),
             "drafter": state.drafter,
+            "prefix_cache": state.prefix_cache,
         }
 
     async def shutdown(self, grace_s: float) -> None:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV pool budget as a fraction of free device memory")
     cache.add_argument("--num-pages", type=positive_int, default=None,
                        help="exact pool size in pages (overrides the budget)")
+    cache.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.ENABLE_PREFIX_CACHING,
+                       help="reuse the KV of full pages of prompts already computed (chained hashes, LRU eviction); "
+                            "--no-prefix-caching computes every prompt from its first token")
     cache.add_argument("--shm-dir", default="/dev/shm", help="where the CPU pool's shared-memory file lives")
 
     sched = p.add_argument_group("scheduling")
@@ -128,6 +132,7 @@ def serve_config(args: argparse.Namespace):
         max_waiting=args.max_waiting,
         attention_backend=args.attention_backend,
         cache=cache_config(args),
+        enable_prefix_caching=args.prefix_caching,
         seed=args.seed,
         hf_cache_dir=args.hf_cache_dir,
         drafter=args.drafter,

@@ -29,6 +29,7 @@ class EngineConfig:
     max_waiting: int = 1024
     attention_backend: str = "auto"  # common.attention_backends.BACKEND_CHOICES
     cache: CacheConfig = field(default_factory=CacheConfig)
+    enable_prefix_caching: bool = defaults.ENABLE_PREFIX_CACHING  # reuse cached full pages of earlier prompts
     seed: int = 0
     hf_cache_dir: str | None = None
     drafter: str | None = None  # address of splitspec-draft; None → no speculation

@@ -31,6 +31,7 @@ from target_service.api_types import (
 from target_service.prompt_tokens import PromptTokenizer
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,15 @@ def engine_request(msg: pb.GenerateRequest, tokenizer: PromptTokenizer, model_in
         sampling=sampling_params(msg.sampling),
         stop=stop_params(msg.stop, default_max_tokens(len(prompt), model_info, defaults)),
         speculation=speculation_params(msg.speculation),
+        cache_salt=cache_salt(msg.cache_salt),
         structured_output=structured_output_params(msg),
     )
+
+
+def cache_salt(given: str) -> str:
+    if len(given) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError("cache_salt", f"must have at most {MAX_CACHE_SALT_CHARS} characters")
+    return given
 
 
 def request_id(given: str) -> str:
@@ -215,6 +223,7 @@ def usage(u: Usage) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=u.prompt_tokens,
         completion_tokens=u.completion_tokens,
+        cached_tokens=u.cached_tokens,
         num_drafts=u.num_drafts,
         draft_tokens=u.draft_tokens,
         accepted_tokens=u.accepted_tokens,
@@ -243,10 +252,18 @@ def server_info(info: dict) -> pb.ServerInfo:
         running=info.get("running", 0),
         waiting=info.get("waiting", 0),
         drafter=drafter_state(info.get("drafter") or {}),
+        prefix_cache=prefix_cache_state(info.get("prefix_cache") or {}),
     )
     if info.get("kv_layout") is not None:
         msg.kv_layout.CopyFrom(kv_layout_to_proto(info["kv_layout"]))
     return msg
+
+
+def prefix_cache_state(state: dict) -> pb.PrefixCacheState:
+    """`PageManager.describe_cache()` as a PrefixCacheState."""
+    return pb.PrefixCacheState(enabled=state.get("enabled", False), cached_pages=state.get("cached_pages", 0),
+                               evictable_pages=state.get("evictable_pages", 0), query_tokens=state.get("queries", 0),
+                               hit_tokens=state.get("hits", 0), evictions=state.get("evictions", 0))
 
 
 def drafter_state(state: dict) -> pb.DrafterState:

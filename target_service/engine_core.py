@@ -23,7 +23,7 @@ from target_service.drafter_link import DrafterLink
 from target_service.handshake import SharedPool
 from target_service.metrics import EngineState, TargetMetrics
 from target_service.model_runner import ModelRunner
-from target_service.page_manager import PageManager
+from target_service.page_manager import PageManager, PrefixHit
 from target_service.sampling import SamplingSpec, make_generator
 from target_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
@@ -55,7 +55,8 @@ class EngineCore:
         self.runner = runner
         self.shared = shared
         self.model_info = model_info
-        self.page_manager = PageManager(shared.layout.num_pages, shared.layout.page_size)
+        self._cache_namespace = f"{model_info.model_id}\0{model_info.dtype}\0{model.fingerprint()}"
+        self.page_manager = self._new_page_manager()
         self.speculator: Speculator | NoSpeculation = (
             Speculator(shared, config.num_speculative_tokens, model_info.max_model_len, model_info.vocab_size,
                        runner.device, config.speculative_disable_batch_size, config.max_num_batched_tokens,
@@ -65,7 +66,9 @@ class EngineCore:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_info.max_model_len),
             self.page_manager,
             lookahead=lambda running: self.speculator.lookahead(running, self.metrics),  # draft slots, asked each step
+            prefix_hit=self._prefix_hit,
         )
+        self.speculator.page_manager = self.page_manager
         self._tracked: dict[str, _Tracked] = {}
         self._next_seq_id = 0
         self.metrics = TargetMetrics()  # what Prometheus reads; warmup swaps in a throwaway one
@@ -90,10 +93,28 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def _new_page_manager(self) -> PageManager:
+        """Page ids of the current pool, its prefix cache keyed by what decides the KV: the
+        model, the KV dtype, the page size and the target layers' scales."""
+        layout = self.layout
+        scales = ",".join(f"{layer.k_scale!r}/{layer.v_scale!r}" for layer in layout.layers if layer.owner == "target")
+        namespace = f"{self._cache_namespace}\0{layout.kv_dtype}\0{layout.page_size}\0{scales}"
+        return PageManager(layout.num_pages, layout.page_size, enable_prefix_caching=self.config.enable_prefix_caching,
+                           namespace=namespace)
+
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The cached pages a waiting sequence starts from: all of them, except that a drafter
+        which reads the target's hidden states (DFlash) can follow the sequence only from pages
+        its own layers are written in, so past those the target computes the tokens again."""
+        hit = self.page_manager.find_prefix(seq, self.speculator.pages_epoch())
+        if self.speculator.needs_hidden_states(seq):
+            return hit.truncated(hit.drafter_valid_pages)
+        return hit
+
     def state(self) -> EngineState:
         pages = self.page_manager
         return EngineState(self.num_running, self.num_waiting, pages.num_pages, pages.num_free_pages, self.layout,
-                           self.shared.describe_drafter())
+                           self.shared.describe_drafter(), prefix_cache=pages.describe_cache())
 
     # --- requests ------------------------------------------------------------------------
 
@@ -130,6 +151,8 @@ class EngineCore:
         self._handshake_if_due()
         plan = self.scheduler.schedule()
         self.metrics.preemptions.inc(len(plan.preempted))
+        for num_tokens, num_hit in plan.prefix_queries:
+            self.metrics.on_prefix_query(num_tokens, num_hit)
         drafts = self.speculator.before_forward(plan, self.metrics)
         if plan.is_empty:
             return []
@@ -147,6 +170,9 @@ class EngineCore:
         accepted = {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted) if drafts.get(t.seq.seq_id)}
         outputs = [out for t, tokens in zip(tracked, emitted)
                    if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
+        for s in plan.scheduled:  # pages now full of computed tokens serve later prompts at once
+            if not s.seq.is_finished:
+                self.page_manager.commit(s.seq)
         self.speculator.after_forward(StepRecord(plan.scheduled, verified, accepted, computed_before, row_starts,
                                                  seconds, prefilled))
         return outputs
@@ -277,8 +303,9 @@ class EngineCore:
 
     def _use_pool(self) -> None:
         """Page ids and runner views for the (idle) engine's new pool."""
-        self.page_manager = PageManager(self.layout.num_pages, self.layout.page_size)
+        self.page_manager = self._new_page_manager()
         self.scheduler.use_page_manager(self.page_manager)
+        self.speculator.page_manager = self.page_manager
         self.runner.install_pool(self.shared.pool)
 
     # --- life ----------------------------------------------------------------------------
@@ -301,6 +328,7 @@ class EngineCore:
         finally:
             self.metrics = served
             self.speculator.forget_measurements()
+            self.page_manager.reset_prefix_cache()  # warmup's prompt is nobody's prefix
 
     def close(self) -> None:
         self.runner.forward.close()

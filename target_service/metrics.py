@@ -9,7 +9,7 @@ collector, so the hot path pays nothing for them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
@@ -39,6 +39,7 @@ class EngineState:
     free_pages: int
     layout: KVLayout
     drafter: dict  # DrafterLink.describe(): state, address, kind, K, epoch, detail
+    prefix_cache: dict = field(default_factory=dict)  # PageManager.describe_cache()
 
     @property
     def usage(self) -> float:
@@ -59,6 +60,12 @@ class TargetMetrics:
                                          ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("splitspec_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("splitspec_generation_tokens", "Generated (emitted) tokens.", registry=r)
+        self.prefix_cache_queries = Counter(
+            "splitspec_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission (vLLM's prefix_cache_queries).", registry=r)
+        self.prefix_cache_hits = Counter(
+            "splitspec_prefix_cache_hits",
+            "Of those, tokens whose KV was found cached and reused (vLLM's prefix_cache_hits).", registry=r)
         self.preemptions = Counter("splitspec_preemptions", "Sequences preempted for recompute.", registry=r)
         self.ttft = Histogram("splitspec_time_to_first_token_seconds", "Time from arrival to the first token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -124,6 +131,10 @@ class TargetMetrics:
     def on_admitted(self, seq: Sequence) -> None:
         self.prompt_tokens.inc(seq.num_prompt_tokens)
 
+    def on_prefix_query(self, num_tokens: int, num_hit: int) -> None:
+        self.prefix_cache_queries.inc(num_tokens)
+        self.prefix_cache_hits.inc(num_hit)
+
     def on_scheduled(self, seq: Sequence, now: float) -> None:
         self.queue_time.observe(now - seq.arrival_time)
 
@@ -162,6 +173,9 @@ class EngineStateCollector(Collector):
         yield _gauge("splitspec_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1).", state.usage)
         yield _gauge("splitspec_kv_cache_free_pages", "Free KV pages.", state.free_pages)
         yield _gauge("splitspec_kv_cache_pages", "KV pages in the pool.", state.num_pages)
+        yield _gauge("splitspec_prefix_cache_pages",
+                     "KV pages the prefix cache holds (shared by running sequences, or evictable).",
+                     state.prefix_cache.get("cached_pages", 0))
         yield _gauge("splitspec_drafter_up", "1 when the drafter is handshaken and speculating, else 0.",
                      1 if state.drafter_up else 0)
         layout = state.layout

@@ -4,6 +4,11 @@ Each step: running sequences first (decodes and unfinished prefill chunks, in ar
 order), then waiting ones, all under one per-step token budget. When pages run out, the
 most recently admitted running sequence is preempted: its pages are freed and it
 returns to the front of the queue to be recomputed (prompt + what it generated).
+
+A sequence is admitted from the longest prefix of full pages the page manager has cached
+(`PrefixHit`): those pages are shared, their tokens count as computed, and its first
+forward starts after them. `prefix_hit` decides how much of a hit a sequence may use
+(speculation's drafter may need the tokens' hidden states, engine_core.py).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from target_service.page_manager import PageManager
+from target_service.page_manager import PageManager, PrefixHit
 from target_service.sequence import Sequence, SequenceStatus
 
 
@@ -47,6 +52,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_queries: list[tuple[int, int]] = field(default_factory=list)  # per admission: (tokens, tokens cached)
 
     @property
     def num_tokens(self) -> int:
@@ -58,13 +64,16 @@ class SchedulerOutput:
 
 
 Lookahead = Callable[[list[Sequence]], dict[int, int]]  # running sequences → draft slots by seq id
+PrefixLookup = Callable[[Sequence], PrefixHit]  # a waiting sequence → the cached pages it may start from
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, page_manager: PageManager, lookahead: Lookahead | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, page_manager: PageManager, lookahead: Lookahead | None = None,
+                 prefix_hit: PrefixLookup | None = None) -> None:
         self.config = config
         self.page_manager = page_manager
         self.lookahead = lookahead  # asked each step when `schedule` is given no slots (speculation's)
+        self.prefix_hit = prefix_hit  # None: the page manager's whole hit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -130,7 +139,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.page_manager.free(seq)
+        self.page_manager.free(seq)  # its full pages stay cached: it is likely to find them again
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -139,14 +148,33 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        pages = self.page_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.page_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            hit = self._find_prefix(seq)
+            start = len(hit) * pages.page_size
+            n = min(seq.num_tokens - start, budget)
+            if not pages.can_start(seq, hit, start + n):
                 break
-            self.page_manager.allocate(seq, seq.num_computed_tokens + n)
+            self._start_from(seq, hit, start)
+            if pages.enable_prefix_caching:
+                out.prefix_queries.append((seq.num_tokens, start))
+            pages.allocate(seq, start + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _find_prefix(self, seq: Sequence) -> PrefixHit:
+        if self.prefix_hit is not None:
+            return self.prefix_hit(seq)
+        return self.page_manager.find_prefix(seq)
+
+    def _start_from(self, seq: Sequence, hit: PrefixHit, start: int) -> None:
+        """Admit `seq` holding the hit's pages, its tokens before `start` computed."""
+        self.page_manager.share(seq, hit.pages)
+        self.page_manager.record_query(seq, start)
+        seq.num_computed_tokens = seq.num_started_tokens = start
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = start

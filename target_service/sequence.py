@@ -49,6 +49,11 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     drafter_epoch: int | None = None  # the handshake epoch whose drafter saw this sequence from its start
     drafter_pages_sent: int = 0  # page-table entries the drafter already knows
+    page_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained hashes of its full pages (page_manager.py)
+    num_committed_pages: int = 0  # leading pages of page_table offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    num_started_tokens: int = 0  # tokens cached when it was last admitted: its first forward starts there
+    drafter_written_tokens: int = 0  # leading tokens whose draft layers the drafter reported written
 
     @classmethod
     def from_request(cls, request: EngineRequest, seq_id: int) -> Sequence:
@@ -78,6 +83,7 @@ class Sequence:
     def usage(self) -> Usage:
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
+            cached_tokens=self.num_cached_tokens,
             completion_tokens=self.num_output_tokens,
             num_drafts=self.spec.num_drafts,
             draft_tokens=self.spec.draft_tokens,

@@ -8,6 +8,12 @@ for no drafts sends no Propose: its updates wait for the next one that does (`St
 keeps the hidden states such an update points at, which the next forward would overwrite).
 A sequence is speculated only if the drafter of the current epoch saw it from position 0;
 any failure ends the epoch, so no half-delivered update is ever trusted.
+
+A sequence admitted from the prefix cache starts its first forward past position 0. Its
+first update still starts at 0, and says how many of those tokens have the drafter's own
+layers written in their (cached) pages (`cached_context_tokens`): the drafter computes
+only the rest. The drafter reports, per sequence, how far its layers are written
+(`ContextWritten`), and the page manager marks those pages valid for this epoch.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from target_service.draft_policy import Decision, DraftPolicy
 from target_service.drafter_link import DrafterLink, describe_rpc_error
 from target_service.handshake import SharedPool
 from target_service.metrics import TargetMetrics
+from target_service.page_manager import NO_EPOCH, PageManager
 from target_service.scheduler import ScheduledSeq, SchedulerOutput
 from target_service.sequence import Sequence
 
@@ -47,6 +54,14 @@ class StepRecord:
 
 class NoSpeculation:
     """The engine's speculation when it has no drafter: every step decodes."""
+
+    page_manager: PageManager | None = None
+
+    def pages_epoch(self) -> int:
+        return NO_EPOCH
+
+    def needs_hidden_states(self, seq: Sequence) -> bool:
+        return False
 
     def due_for_handshake(self) -> bool:
         return False
@@ -79,12 +94,14 @@ class PendingUpdate:
     last_token_id: int
     new_pages: list[int] = field(default_factory=list)
     num_speculative_tokens: int = 0
+    cached_context_tokens: int = 0  # with context_start 0: leading tokens whose draft layers are in the pages
 
     def to_proto(self) -> dpb.SequenceUpdate:
         return dpb.SequenceUpdate(seq_id=self.seq_id, context_start=self.context_start,
                                   context_token_ids=self.context_token_ids, staging_row=self.staging_row,
                                   new_pages=self.new_pages, last_token_id=self.last_token_id,
-                                  num_speculative_tokens=self.num_speculative_tokens)
+                                  num_speculative_tokens=self.num_speculative_tokens,
+                                  cached_context_tokens=self.cached_context_tokens)
 
 
 @dataclass
@@ -175,6 +192,8 @@ class Speculator:
     disable_batch_size: int | None = None  # no drafts while this many sequences or more run
     max_num_batched_tokens: int | None = None  # the step's token budget (caps the policy's base width)
     policy: DraftPolicy | None = None  # how many drafts per step; None → a fixed K (set in __post_init__)
+    page_manager: PageManager | None = None  # the engine's (set by it): pages the drafter's layers are valid in
+    _followed: dict[int, Sequence] = field(default_factory=dict)  # seq id → the sequences the drafter follows
     _pending: dict[int, PendingUpdate] = field(default_factory=dict)
     _released: list[int] = field(default_factory=list)
     _staged: StagedRows = field(default_factory=StagedRows)
@@ -202,9 +221,32 @@ class Speculator:
         self._released.clear()
         self._staged.clear()
         self._behind.clear()
+        self._followed.clear()
 
     def follows(self, seq: Sequence) -> bool:
         return self.link.ready and seq.drafter_epoch == self.epoch
+
+    def drafter_has_layers(self) -> bool:
+        return any(layer.owner == "draft" for layer in self.shared.layout.layers)
+
+    def pages_epoch(self) -> int:
+        """The epoch cached pages must carry for their draft layers to be valid (NO_EPOCH: no
+        drafter attached, or one without layers in the pool)."""
+        if not self.link.ready or not self.drafter_has_layers():
+            return NO_EPOCH
+        return self.epoch
+
+    def needs_hidden_states(self, seq: Sequence) -> bool:
+        """Whether the drafter, to follow `seq`, needs the target's hidden states of every token
+        its layers are not written for (DFlash): then only pages it wrote serve as a prefix."""
+        return self.link.ready and self.shared.layout.staging is not None and not seq.request.speculation.disable
+
+    def _drafter_cached_tokens(self, seq: Sequence, start: int) -> int:
+        """Of `seq`'s first `start` tokens (cached, not computed by this admission), those the
+        drafter need not compute: all for a drafter without layers, else the pages it wrote."""
+        if not self.drafter_has_layers() or self.page_manager is None:
+            return start
+        return min(start, self.page_manager.drafter_valid_tokens(seq, self.epoch))
 
     def draft_limit(self, seq: Sequence, drafter_k: int) -> int:
         """The target side's one bound on k: the most drafts `seq` may ask for this step, under the
@@ -310,6 +352,7 @@ class Speculator:
         except Exception as exc:  # down, hung past the deadline, or an error: no speculation
             self.link.mark_failed(describe_rpc_error(exc))
             return {}
+        self._note_written(reply)
         elapsed = time.monotonic() - started
         metrics.propose_latency.observe(elapsed)
         if asked:
@@ -409,6 +452,18 @@ class Speculator:
             metrics.invalid_drafts.inc(invalid)
         return drafts
 
+    def _note_written(self, reply: dpb.ProposeResponse) -> None:
+        """Pages whose draft layers the drafter reports written become valid for this epoch."""
+        if self.page_manager is None:
+            return
+        epoch = self.epoch
+        for written in reply.written:
+            seq = self._followed.get(written.seq_id)
+            if seq is not None and not seq.is_finished:
+                seq.drafter_written_tokens = min(max(seq.drafter_written_tokens, written.num_tokens),
+                                                 seq.num_computed_tokens)
+                self.page_manager.mark_drafter_written(seq, seq.drafter_written_tokens, epoch)
+
     @staticmethod
     def _empty_update(seq: Sequence) -> PendingUpdate:
         return PendingUpdate(seq.seq_id, seq.num_computed_tokens, [], 0, seq.token_ids[seq.num_computed_tokens])
@@ -429,24 +484,42 @@ class Speculator:
             seq = s.seq
             if seq.is_finished:
                 continue
-            if start == 0:
-                seq.drafter_epoch, seq.drafter_pages_sent = epoch, 0  # seen from its start
+            count = seq.num_computed_tokens - start
+            if start == seq.num_started_tokens:  # its first forward since admission
+                update = self._first_update(seq, start, count, row)
+                if update is None:
+                    continue
             elif seq.drafter_epoch != epoch:
                 continue
-            count = seq.num_computed_tokens - start
-            if seq.seq_id not in drafts:  # a drafting step's own tokens are the steady state
-                self._behind[seq.seq_id] = self._behind.get(seq.seq_id, 0) + count
-            if (update := self._pending.get(seq.seq_id)) is not None:  # deferred, not yet sent: extend it
+            elif (update := self._pending.get(seq.seq_id)) is not None:  # deferred, not yet sent: extend it
                 update.context_token_ids.extend(seq.token_ids[start : start + count])
                 update.last_token_id = seq.token_ids[seq.num_computed_tokens]
             else:
                 update = PendingUpdate(seq.seq_id, start, seq.token_ids[start : start + count], row,
                                        seq.token_ids[seq.num_computed_tokens])
+            if seq.seq_id not in drafts:  # a drafting step's own tokens are the steady state
+                self._behind[seq.seq_id] = self._behind.get(seq.seq_id, 0) + count
             self._staged.note_fresh(seq.seq_id, row, count)
             self._attach_new_pages(update, seq)
             self._pending[seq.seq_id] = update
 
+    def _first_update(self, seq: Sequence, start: int, count: int, row: int) -> PendingUpdate | None:
+        """The update that starts (or restarts) `seq` at position 0 in this epoch, its first
+        `start` tokens cached; None when the drafter cannot follow it from there (it would need
+        hidden states of tokens this admission did not compute)."""
+        cached = self._drafter_cached_tokens(seq, start)
+        if cached < start and self.shared.layout.staging is not None:
+            seq.drafter_epoch = None
+            return None
+        seq.drafter_epoch, seq.drafter_pages_sent = self.epoch, 0  # seen from its start
+        seq.drafter_written_tokens = cached
+        self._followed[seq.seq_id] = seq
+        self._behind[seq.seq_id] = start - cached  # the drafter computes these itself
+        return PendingUpdate(seq.seq_id, 0, seq.token_ids[: start + count], row, seq.token_ids[seq.num_computed_tokens],
+                             cached_context_tokens=cached)
+
     def release(self, seq: Sequence) -> None:
+        self._followed.pop(seq.seq_id, None)
         if self.follows(seq):
             self._released.append(seq.seq_id)
         self._pending.pop(seq.seq_id, None)

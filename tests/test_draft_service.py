@@ -532,6 +532,17 @@ def test_invalid_requests_are_invalid_argument_and_change_nothing(target_for, dr
     error = rpc_error(lambda: fake.propose(1, [short]))
     assert error.code() == INVALID_ARGUMENT and "sequences[0].new_pages" in error.details()
 
+    past = fake.update(Seq(7), [1, 2, 3], 4)
+    past.cached_context_tokens = 4  # more cached tokens than the update's context
+    error = rpc_error(lambda: fake.propose(1, [past]))
+    assert error.code() == INVALID_ARGUMENT and "sequences[0].cached_context_tokens" in error.details()
+
+    seq.tokens, seq.pages = list(snapshot[0]), list(snapshot[1])
+    continuing = fake.update(seq, [9], 10)
+    continuing.cached_context_tokens = 1  # only a sequence's first update may say so
+    error = rpc_error(lambda: fake.propose(1, [continuing]))
+    assert error.code() == INVALID_ARGUMENT and "sequences[0].cached_context_tokens" in error.details()
+
     # nothing was applied: the sequence continues from where the valid call left it
     seq.tokens, seq.pages = list(snapshot[0]), list(snapshot[1])
     assert fake.propose(1, [fake.update(seq, [9], 10)]) == {1: greedy(draft_lm, seq.tokens, K)}
@@ -651,3 +662,22 @@ def test_eagle3_proposals_equal_the_reference(target_for, dflash_reference, toke
     error = rpc_error(lambda: fake.propose(1, [bad]))
     assert error.code() == INVALID_ARGUMENT and "sequences[0].staging_row" in error.details()
     assert fake.propose(1, [fake.update(seqs[0], [11], 12, staging_row=0)]) is not None  # still serving
+
+
+def test_propose_reports_how_far_draft_layers_are_written(target_for):
+    """The target caches a page's draft layers only where the drafter says it wrote them."""
+    fake = target_for("draft_model")
+    fake.negotiate()
+    fake.attach(epoch=1)
+
+    def written(updates: list[dpb.SequenceUpdate]) -> dict[int, int]:
+        request = dpb.ProposeRequest(target_id=fake.target_id, epoch=1, sequences=updates)
+        response = fake.stub.Propose(request, metadata=fake.metadata, timeout=RPC_TIMEOUT)
+        return {w.seq_id: w.num_tokens for w in response.written}
+
+    seq = Seq(1)
+    assert written([fake.update(seq, [5, 6, 7, 8], 9, k=0)]) == {1: 0}  # recorded, not computed yet
+    assert written([fake.update(seq, [9], 10)]) == {1: 5}  # drafting caught the LM up on its context
+    cached = fake.update(Seq(2), [5, 6, 7, 8], 9, k=0)
+    cached.cached_context_tokens = 3  # a prefix cache hit: the first 3 tokens' draft KV is in the pages
+    assert written([cached]) == {2: 3}

@@ -155,6 +155,26 @@ def test_chat_completions_equal_the_grpc_api(stack, client, prompt):
     check_usage(chunks[-1].usage, complete)
 
 
+def test_cached_tokens_and_cache_salt(stack, client):
+    """usage.prompt_tokens_details.cached_tokens is the target's Usage.cached_tokens; a
+    cache_salt only shares cached prompt pages with requests of the same salt."""
+    prompt = " ".join(PROMPTS) * 2  # several full pages
+
+    def cached(salt: str) -> tuple[int, int]:
+        whole = client.completions.create(model=stack["model"], prompt=prompt, max_tokens=2, temperature=0,
+                                          extra_body={"ignore_eos": True, "cache_salt": salt})
+        return whole.usage.prompt_tokens_details.cached_tokens, whole.usage.prompt_tokens
+
+    first, prompt_tokens = cached("gateway-tenant-a")
+    again, _ = cached("gateway-tenant-a")
+    other, _ = cached("gateway-tenant-b")
+    assert first == 0 and other == 0
+    assert prompt_tokens - 16 <= again < prompt_tokens  # all full pages but the one holding the last token
+    reply = httpx2.post(f"http://{stack['gateway']}/v1/completions", timeout=60,
+                        json={"model": stack["model"], "prompt": "x", "max_tokens": 1, "cache_salt": "s" * 257})
+    assert reply.status_code == 400 and "cache_salt" in reply.text, reply.text
+
+
 def test_stream_without_include_usage_has_no_usage_chunk(stack, client):
     chunks = list(client.completions.create(model=stack["model"], prompt=PROMPTS[0], max_tokens=6, temperature=0,
                                             stream=True))

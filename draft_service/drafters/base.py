@@ -81,6 +81,12 @@ class Update:
     new_pages: tuple[int, ...] = ()
     staging_row: int = 0
     num_speculative_tokens: int = 0
+    cached_context_tokens: int = 0  # with context_start 0: leading tokens whose draft KV is already in the pages
+
+    @property
+    def num_staged_rows(self) -> int:
+        """Staging rows the update brings: one per context token the drafter has no KV for."""
+        return len(self.context_token_ids) - self.cached_context_tokens
 
 
 @dataclass
@@ -228,7 +234,8 @@ class Drafter:
         """Fold an update into the sequence; None (and dropped) when it is out of sync."""
         if update.context_start == 0:
             tokens = [*update.context_token_ids, update.last_token_id]
-            seq = DraftSequence(update.seq_id, tokens, list(update.new_pages))
+            seq = DraftSequence(update.seq_id, tokens, list(update.new_pages),
+                                num_context=update.cached_context_tokens)
             self.sequences[update.seq_id] = seq
             return seq
         seq = self.sequences.get(update.seq_id)
@@ -245,6 +252,14 @@ class Drafter:
 
     def forget(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)
+
+    def written_context(self, seq_ids) -> dict[int, int]:
+        """For a drafter with layers in the pool: per known sequence, its leading context
+        tokens whose draft KV is written (what the target's prefix cache may reuse)."""
+        if not self.layer_specs():
+            return {}
+        return {seq_id: min(seq.num_context, seq.context_len)
+                for seq_id in seq_ids if (seq := self.sequences.get(seq_id)) is not None}
 
     def forget_all(self) -> None:
         self.sequences.clear()

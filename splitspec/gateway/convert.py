@@ -12,6 +12,7 @@ import json
 from splitspec.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    PromptTokensDetails,
     SamplingRequest,
     SpeculationUsage,
     Usage,
@@ -45,6 +46,8 @@ def _sampling(req: SamplingRequest, max_tokens: int | None, request: pb.Generate
     if req.speculation is not None:
         request.speculation.disable = req.speculation.disable
         request.speculation.num_speculative_tokens = req.speculation.num_speculative_tokens
+    if req.cache_salt is not None:
+        request.cache_salt = req.cache_salt
     _structured_output(req, request)
 
 
@@ -96,6 +99,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> pb.GenerateRequ
 def usage(u: pb.Usage) -> Usage:
     return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                  total_tokens=u.prompt_tokens + u.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
                  speculation=SpeculationUsage(num_drafts=u.num_drafts, draft_tokens=u.draft_tokens,
                                               accepted_tokens=u.accepted_tokens))
 

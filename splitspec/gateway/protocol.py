@@ -107,6 +107,8 @@ class SamplingRequest(Strict):
     speculation: SpeculationOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsOptions | None = None
+    # vLLM's: only requests with the same salt share cached prompt KV (the target bounds it)
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -201,10 +203,15 @@ class SpeculationUsage(BaseModel):
     accepted_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the target's prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     speculation: SpeculationUsage  # splitspec's addition: the drafter's work for this request
 
 

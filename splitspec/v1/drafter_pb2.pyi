@@ -160,7 +160,7 @@ class AttachResponse(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., epoch: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., mapped_epochs: _Optional[_Iterable[int]] = ..., channel_serving: _Optional[bool] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "context_start", "context_token_ids", "staging_row", "new_pages", "last_token_id", "num_speculative_tokens")
+    __slots__ = ("seq_id", "context_start", "context_token_ids", "staging_row", "new_pages", "last_token_id", "num_speculative_tokens", "cached_context_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_START_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class SequenceUpdate(_message.Message):
     NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     context_start: int
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -175,7 +176,8 @@ class SequenceUpdate(_message.Message):
     new_pages: _containers.RepeatedScalarFieldContainer[int]
     last_token_id: int
     num_speculative_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., context_start: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., staging_row: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., last_token_id: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    cached_context_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., context_start: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., staging_row: _Optional[int] = ..., new_pages: _Optional[_Iterable[int]] = ..., last_token_id: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., cached_context_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("target_id", "epoch", "sequences", "released_seq_ids")
@@ -197,11 +199,21 @@ class Draft(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ContextWritten(_message.Message):
+    __slots__ = ("seq_id", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class ProposeResponse(_message.Message):
-    __slots__ = ("drafts",)
+    __slots__ = ("drafts", "written")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedCompositeFieldContainer[Draft]
-    def __init__(self, drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+    written: _containers.RepeatedCompositeFieldContainer[ContextWritten]
+    def __init__(self, drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., written: _Optional[_Iterable[_Union[ContextWritten, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("target_id", "epoch", "seq_ids", "detach")

@@ -22,7 +22,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_MODEL_LENGTH: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stop", "speculation", "parse_special_tokens", "structured_output")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "stop", "speculation", "parse_special_tokens", "cache_salt", "structured_output")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
@@ -40,8 +41,9 @@ class GenerateRequest(_message.Message):
     stop: StopParams
     speculation: SpeculationParams
     parse_special_tokens: bool
+    cache_salt: str
     structured_output: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., parse_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., parse_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "disable_any_whitespace")
@@ -144,20 +146,22 @@ class Complete(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
+    __slots__ = ("prompt_tokens", "completion_tokens", "num_drafts", "draft_tokens", "accepted_tokens", "accepted_per_position", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     num_drafts: int
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -200,20 +204,38 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("kv_layout", "num_pages", "free_pages", "running", "waiting", "drafter")
+    __slots__ = ("kv_layout", "num_pages", "free_pages", "running", "waiting", "drafter", "prefix_cache")
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     kv_layout: _kv_layout_pb2.KVLayout
     num_pages: int
     free_pages: int
     running: int
     waiting: int
     drafter: DrafterState
-    def __init__(self, kv_layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., drafter: _Optional[_Union[DrafterState, _Mapping]] = ...) -> None: ...
+    prefix_cache: PrefixCacheState
+    def __init__(self, kv_layout: _Optional[_Union[_kv_layout_pb2.KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., drafter: _Optional[_Union[DrafterState, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheState, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheState(_message.Message):
+    __slots__ = ("enabled", "cached_pages", "evictable_pages", "query_tokens", "hit_tokens", "evictions")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    cached_pages: int
+    evictable_pages: int
+    query_tokens: int
+    hit_tokens: int
+    evictions: int
+    def __init__(self, enabled: _Optional[bool] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class DrafterState(_message.Message):
     __slots__ = ("status", "address", "kind", "num_speculative_tokens", "epoch", "detail", "propose_transport")
