@@ -16,13 +16,17 @@ from dataclasses import dataclass
 from common.layout_proto import kv_layout_to_proto
 from splitspec.v1 import generation_pb2 as pb
 from target_service.api_types import (
+    MAX_LOGIT_BIAS_ENTRIES,
     EngineRequest,
     InvalidRequestError,
+    LogprobParams,
     ModelInfo,
+    PositionLogprobs,
     RequestOutput,
     SamplingParams,
     SpeculationParams,
     StopParams,
+    TokenLogprob,
     Usage,
     check_prompt_fits,
 )
@@ -70,6 +74,8 @@ def engine_request(msg: pb.GenerateRequest, tokenizer: PromptTokenizer, model_in
         sampling=sampling_params(msg.sampling),
         stop=stop_params(msg.stop, default_max_tokens(len(prompt), model_info, defaults)),
         speculation=speculation_params(msg.speculation),
+        logprobs=logprob_params(msg.logprobs),
+        n=msg.n or 1,
     )
 
 
@@ -159,7 +165,21 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=_logit_bias(msg),
+        banned_token_ids=tuple(msg.banned_token_ids),
     )
+
+
+def _logit_bias(msg: pb.SamplingParams) -> tuple[tuple[int, float], ...]:
+    """The map as sorted pairs, its size bounded before it is copied."""
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                                  f"got {len(msg.logit_bias)}")
+    return tuple(sorted(msg.logit_bias.items()))
 
 
 def stop_params(msg: pb.StopParams, default_max: int) -> StopParams:
@@ -168,7 +188,12 @@ def stop_params(msg: pb.StopParams, default_max: int) -> StopParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
     )
+
+
+def logprob_params(msg: pb.LogprobParams) -> LogprobParams:
+    return LogprobParams(completion=msg.completion, top=msg.top, prompt=msg.prompt, prompt_top=msg.prompt_top)
 
 
 def speculation_params(msg: pb.SpeculationParams) -> SpeculationParams:
@@ -178,16 +203,46 @@ def speculation_params(msg: pb.SpeculationParams) -> SpeculationParams:
 # ---------------------------------------------------------------- responses
 
 
-def responses(output: RequestOutput) -> list[pb.GenerateResponse]:
-    """A Chunk for new tokens or text, then a Complete when the output is the last one."""
+class TokenTexts:
+    """Each token id decoded alone, as logprobs name their tokens; memoized (at most a
+    vocabulary's worth of short strings)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def responses(output: RequestOutput, token_text: TokenTexts) -> list[pb.GenerateResponse]:
+    """A Chunk for new tokens, text or prompt logprobs, then a Complete when the output is its
+    sequence's last one."""
     out = []
-    if output.token_ids or output.text:
-        chunk = pb.Chunk(token_ids=output.token_ids, text=output.text)
+    if output.token_ids or output.text or output.prompt_logprobs:
+        chunk = pb.Chunk(token_ids=output.token_ids, text=output.text, index=output.index,
+                         logprobs=[position_logprobs(entry, token_text) for entry in output.logprobs or ()],
+                         prompt_logprobs=[position_logprobs(entry, token_text)
+                                          for entry in output.prompt_logprobs or ()])
         out.append(pb.GenerateResponse(chunk=chunk, request_id=output.request_id))
     if output.finish_reason is not None:
-        complete = pb.Complete(finish_reason=int(output.finish_reason), usage=usage(output.usage or Usage()))
+        complete = pb.Complete(finish_reason=int(output.finish_reason), usage=usage(output.usage or Usage()),
+                               index=output.index)
         out.append(pb.GenerateResponse(complete=complete, request_id=output.request_id))
     return out
+
+
+def position_logprobs(entry: PositionLogprobs, token_text: TokenTexts) -> pb.PositionLogprobs:
+    return pb.PositionLogprobs(chosen=token_logprob(entry.chosen, token_text),
+                               top=[token_logprob(t, token_text) for t in entry.top])
+
+
+def token_logprob(entry: TokenLogprob, token_text: TokenTexts) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+                           token=token_text(entry.token_id))
 
 
 def usage(u: Usage) -> pb.Usage:

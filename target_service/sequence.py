@@ -49,11 +49,13 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)
     drafter_epoch: int | None = None  # the handshake epoch whose drafter saw this sequence from its start
     drafter_pages_sent: int = 0  # page-table entries the drafter already knows
+    index: int = 0  # which of the request's n sequences
+    prompt_logprobs_done: int = 1  # prompt positions below this have their logprob reported (position 0 has none)
 
     @classmethod
-    def from_request(cls, request: EngineRequest, seq_id: int) -> Sequence:
+    def from_request(cls, request: EngineRequest, seq_id: int, index: int = 0) -> Sequence:
         prompt = list(request.prompt_token_ids)
-        return cls(request=request, seq_id=seq_id, token_ids=prompt, num_prompt_tokens=len(prompt))
+        return cls(request=request, seq_id=seq_id, token_ids=prompt, num_prompt_tokens=len(prompt), index=index)
 
     @property
     def request_id(self) -> str:
