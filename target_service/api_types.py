@@ -276,10 +276,10 @@ def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:
     bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise InvalidRequestError("input.token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
-    for field_name, ids in (("stop.stop_token_ids", request.stop.stop_token_ids),
-                            ("sampling.banned_token_ids", request.sampling.banned_token_ids),
-                            ("sampling.logit_bias", [t for t, _ in request.sampling.logit_bias])):
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+    for field_name, listed in (("stop.stop_token_ids", request.stop.stop_token_ids),
+                               ("sampling.banned_token_ids", request.sampling.banned_token_ids),
+                               ("sampling.logit_bias", [t for t, _ in request.sampling.logit_bias])):
+        bad = next((t for t in listed if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(field_name, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
     banned = set(request.sampling.banned_token_ids)

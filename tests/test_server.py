@@ -352,6 +352,15 @@ def _token_ids(ids_of):
     return make
 
 
+def _with_logit_bias(bias_of):
+    def make(tokenizer, vocab):
+        msg = request(PROMPTS[5], max_tokens=4)
+        msg.sampling.logit_bias.update(bias_of(vocab))
+        return msg
+
+    return make
+
+
 def _no_input(tokenizer, vocab):
     return request(max_tokens=4)
 
@@ -388,6 +397,25 @@ INVALID = {
     "stop token id >= vocab": (lambda tokenizer, vocab: _with(**{"stop.stop_token_ids": [vocab]})(tokenizer, vocab),
                                "stop.stop_token_ids"),
     "too many stop token ids": (_with(**{"stop.stop_token_ids": [1] * 1025}), "stop.stop_token_ids"),
+    "presence_penalty > 2": (_with(**{"sampling.presence_penalty": 2.5}), "sampling.presence_penalty"),
+    "frequency_penalty < -2": (_with(**{"sampling.frequency_penalty": -3.0}), "sampling.frequency_penalty"),
+    "frequency_penalty inf": (_with(**{"sampling.frequency_penalty": math.inf}), "sampling.frequency_penalty"),
+    "repetition_penalty 0": (_with(**{"sampling.repetition_penalty": 0.0}), "sampling.repetition_penalty"),
+    "min_p > 1": (_with(**{"sampling.min_p": 1.5}), "sampling.min_p"),
+    "logit_bias id >= vocab": (_with_logit_bias(lambda vocab: {vocab: 1.0}), "sampling.logit_bias"),
+    "logit_bias > 100": (_with_logit_bias(lambda vocab: {3: 150.0}), "sampling.logit_bias"),
+    "too many logit_bias entries": (_with_logit_bias(lambda vocab: {i: 1.0 for i in range(2000)}),
+                                    "sampling.logit_bias"),
+    "banned id >= vocab": (lambda tokenizer, vocab: _with(**{"sampling.banned_token_ids": [vocab]})(tokenizer, vocab),
+                           "sampling.banned_token_ids"),
+    "banning every token": (lambda tokenizer, vocab: _with(**{"sampling.banned_token_ids": list(range(vocab))})(
+        tokenizer, vocab), "sampling.banned_token_ids"),
+    "min_tokens > max_tokens": (_with(**{"stop.min_tokens": 5}), "stop.min_tokens"),
+    "n > 16": (_with(n=17), "n"),
+    "n < 0": (_with(n=-1), "n"),
+    "logprobs.top > 20": (_with(**{"logprobs.completion": True, "logprobs.top": 21}), "logprobs.top"),
+    "logprobs.top without completion": (_with(**{"logprobs.top": 2}), "logprobs.top"),
+    "logprobs.prompt_top < 0": (_with(**{"logprobs.prompt": True, "logprobs.prompt_top": -1}), "logprobs.prompt_top"),
 }
 
 
@@ -401,6 +429,39 @@ def test_invalid_request_is_invalid_argument_naming_the_field(stub, tokenizer, c
     assert err.value.details().startswith(field_name), err.value.details()
     _, _, complete = generate(stub, request(PROMPTS[6], max_tokens=2))  # still serving
     assert complete.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_n_sequences_stream_with_their_index_and_logprobs(stub, tokenizer):
+    """n = 3 seeded: three interleaved sequences, each with its Chunks and one Complete carrying its
+    index, a logprob (and the top 4) per token, the prompt's logprobs once (on sequence 0)."""
+    msg = request(PROMPTS[1], max_tokens=6, temperature=1.0, seed=5, presence_penalty=0.5)
+    msg.n = 3
+    msg.logprobs.completion, msg.logprobs.top, msg.logprobs.prompt = True, 4, True
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    completes, prompt_entries = {}, []
+    for response in stub.Generate(msg, timeout=60):
+        if response.HasField("chunk"):
+            chunk = response.chunk
+            assert chunk.index not in completes, "a chunk after its sequence's Complete"
+            assert len(chunk.logprobs) == len(chunk.token_ids)
+            for entry, token in zip(chunk.logprobs, chunk.token_ids):
+                assert entry.chosen.token_id == token and entry.chosen.token == tokenizer.decode([token])
+                assert entry.chosen.logprob <= 0 and entry.chosen.rank >= 1 and len(entry.top) == 4
+                assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+            tokens[chunk.index].extend(chunk.token_ids)
+            if chunk.prompt_logprobs:
+                assert chunk.index == 0 and not prompt_entries
+                prompt_entries = list(chunk.prompt_logprobs)
+        else:
+            completes[response.complete.index] = response.complete
+    prompt = tokenizer.encode(PROMPTS[1])
+    assert [e.chosen.token_id for e in prompt_entries] == prompt[1:]
+    assert sorted(completes) == [0, 1, 2] and all(len(t) == 6 for t in tokens.values())
+    assert all(c.usage.completion_tokens == 6 and c.usage.prompt_tokens == len(prompt) for c in completes.values())
+    for index in range(3):  # each is the single request with seed + index
+        single = request(PROMPTS[1], max_tokens=6, temperature=1.0, seed=5 + index, presence_penalty=0.5)
+        assert generate(stub, single)[0] == tokens[index]
+    wait_pages_free(stub)
 
 
 def test_a_tiny_temperature_decodes_greedily(stub):
