@@ -176,7 +176,7 @@ class LogprobParams:
 
     completion: bool = False  # the chosen token's logprob for every completion token
     top: int = 0  # and this many most likely tokens per completion token
-    prompt: bool = False  # the logprob of each prompt token after the first
+    prompt: bool = False  # the logprob of each prompt token (None for the first)
     prompt_top: int = 0  # and this many most likely tokens per prompt position
 
     def __post_init__(self) -> None:
@@ -217,11 +217,12 @@ class Usage:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log-probability at one position, and its rank there (1 = most likely)."""
+    """A token's log-probability at one position, and its rank there (1 = most likely); None
+    for both where nothing predicts the token (a prompt's first)."""
 
     token_id: int
-    logprob: float
-    rank: int
+    logprob: float | None
+    rank: int | None
 
 
 @dataclass(frozen=True)

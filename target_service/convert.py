@@ -241,7 +241,7 @@ def position_logprobs(entry: PositionLogprobs, token_text: TokenTexts) -> pb.Pos
 
 
 def token_logprob(entry: TokenLogprob, token_text: TokenTexts) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank or 0,
                            token=token_text(entry.token_id))
 
 

@@ -20,6 +20,7 @@ from target_service.api_types import (
     PositionLogprobs,
     RequestOutput,
     StopParams,
+    TokenLogprob,
 )
 from target_service.config import EngineConfig
 from target_service.detokenizer import IncrementalDetokenizer
@@ -230,9 +231,13 @@ class EngineCore:
 
     @staticmethod
     def _take_prompt_logprobs(tracked: _Tracked) -> tuple[PositionLogprobs, ...] | None:
-        """The prompt's logprobs, handed out once (with the first output that carries tokens)."""
+        """The prompt's logprobs, handed out once (with the first output), the first token's
+        without a value (nothing predicts it)."""
         entries, tracked.prompt_logprobs = tracked.prompt_logprobs, None
-        return tuple(entries) if entries is not None else None
+        if entries is None:
+            return None
+        first = PositionLogprobs(TokenLogprob(tracked.seq.token_ids[0], None, None))
+        return (first, *entries)
 
     def _note_tokens(self, seq: Sequence, n: int) -> None:
         now = time.monotonic()

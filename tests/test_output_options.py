@@ -223,7 +223,8 @@ def test_greedy_shaping_and_logprobs_equal_transformers(core, hf, greedy_referen
         completion = [e for o in outs for e in o.logprobs]
         check_logprobs(reference, completion, got, range(len(prompt) - 1, len(prompt) - 1 + len(got)), TOP,
                        f"{kind}, prompt {i}, completion")
-        [prompt_entries] = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        [(first, *prompt_entries)] = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        assert (first.chosen.token_id, first.chosen.logprob, first.top) == (prompt[0], None, ())
         check_logprobs(reference, prompt_entries, prompt[1:], range(len(prompt) - 1), PROMPT_TOP,
                        f"{kind}, prompt {i}, prompt")
         drafts += outs[-1].usage.draft_tokens
@@ -308,7 +309,7 @@ def test_n_sequences_are_the_requests_they_stand_for(core, hf):
         assert outputs[("n", i)][-1].index == i and outputs[("n", i)][-1].usage.completion_tokens == MAX_TOKENS
     assert len({tuple(tokens_of(outputs[("n", i)])) for i in range(3)}) > 1
     assert tokens_of(outputs[("g", 0)]) == tokens_of(outputs[("g", 1)])
-    assert [len(o.prompt_logprobs) for o in outputs[("g", 0)] if o.prompt_logprobs] == [len(prompt) - 1]
+    assert [len(o.prompt_logprobs) for o in outputs[("g", 0)] if o.prompt_logprobs] == [len(prompt)]
     assert not any(o.prompt_logprobs for o in outputs[("g", 1)])  # once per request, on choice 0
 
 

@@ -455,7 +455,9 @@ def test_n_sequences_stream_with_their_index_and_logprobs(stub, tokenizer):
         else:
             completes[response.complete.index] = response.complete
     prompt = tokenizer.encode(PROMPTS[1])
-    assert [e.chosen.token_id for e in prompt_entries] == prompt[1:]
+    assert [e.chosen.token_id for e in prompt_entries] == prompt
+    assert not prompt_entries[0].chosen.HasField("logprob") and all(e.chosen.HasField("logprob")
+                                                                    for e in prompt_entries[1:])
     assert sorted(completes) == [0, 1, 2] and all(len(t) == 6 for t in tokens.values())
     assert all(c.usage.completion_tokens == 6 and c.usage.prompt_tokens == len(prompt) for c in completes.values())
     for index in range(3):  # each is the single request with seed + index
