@@ -15,8 +15,7 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, private_shm_dir, wait_drafter, wait_idle
-from tests.test_gateway import chat_messages, start_gateway
+from tests.procs import Service, private_shm_dir, start_gateway, wait_drafter, wait_idle
 from tests.tiny_models import PROMPTS, make_qwen3
 
 pytestmark = pytest.mark.slow
@@ -124,7 +123,7 @@ def test_echo_without_logprobs_returns_the_prompt(stack, client):
 
 
 def test_chat_logprobs_top_logprobs_and_n_streamed(stack, client):
-    messages = chat_messages(PROMPTS[3])
+    messages = [{"role": "user", "content": PROMPTS[3]}]
     whole = client.chat.completions.create(model=stack["model"], messages=messages, max_tokens=8, temperature=0.9,
                                            seed=7, n=3, logprobs=True, top_logprobs=2,
                                            extra_body={"ignore_eos": True})

@@ -9,45 +9,10 @@ import torch
 from target_service.api_types import InvalidRequestError, SamplingParams, StopParams
 from target_service.logits_shaping import LogitsShaper, RowContext, shape_rows
 from target_service.sampling import SamplingSpec, sampling_probs
+from tests.shaping_reference import hf_processors
 
 VOCAB = 40
 EOS = 3
-
-
-class OpenAIPenalties:
-    """OpenAI's formula (platform docs, "frequency and presence penalties"), over the tokens
-    generated after the prompt; Hugging Face has no processor for it."""
-
-    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
-        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(input_ids[0, self.prompt_len:], minlength=scores.shape[-1]).float()
-        return scores - self.frequency * counts - self.presence * (counts > 0).float()
-
-
-def hf_processors(sampling: SamplingParams, prompt_len: int, min_tokens: int):
-    """The same rules as Hugging Face's processors, in splitspec's order."""
-    from transformers import (
-        LogitsProcessorList,
-        MinNewTokensLengthLogitsProcessor,
-        NoBadWordsLogitsProcessor,
-        RepetitionPenaltyLogitsProcessor,
-        SequenceBiasLogitsProcessor,
-    )
-
-    processors = []
-    if sampling.banned_token_ids:
-        processors.append(NoBadWordsLogitsProcessor([[t] for t in sampling.banned_token_ids], eos_token_id=None))
-    if sampling.logit_bias:
-        processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in sampling.logit_bias}))
-    if min_tokens:
-        processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, min_tokens, EOS))
-    if sampling.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
-    if sampling.frequency_penalty or sampling.presence_penalty:
-        processors.append(OpenAIPenalties(prompt_len, sampling.frequency_penalty, sampling.presence_penalty))
-    return LogitsProcessorList(processors)
 
 
 CASES = [
@@ -71,7 +36,7 @@ def test_verify_rows_equal_transformers_after_each_draft_prefix(sampling, min_to
     rows = 4 * torch.randn(len(draft) + 1, VOCAB, generator=source)  # [K+1, V]
     shaper = LogitsShaper.for_request(sampling, min_tokens, [EOS], torch.device("cpu"))
     got = shaper(rows.clone(), RowContext(prompt, output, draft))
-    processors = hf_processors(sampling, len(prompt), min_tokens)
+    processors = hf_processors(sampling, len(prompt), min_tokens, EOS)
     for i in range(len(draft) + 1):
         input_ids = torch.tensor([prompt + output + draft[:i]])
         want = processors(input_ids, rows[i : i + 1].clone())[0]

@@ -31,8 +31,8 @@ from target_service.api_types import (
 from target_service.config import EngineConfig
 from target_service.engine import build_engine_core
 from tests.procs import TOKEN, Service
-from tests.test_logits_shaping import OpenAIPenalties
-from tests.test_speculative_faults import CHI2_CRIT, _two_sample_chi_square
+from tests.shaping_reference import hf_processors
+from tests.stats import CHI2_CRIT, two_sample_chi_square
 from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash
 
 pytestmark = pytest.mark.slow
@@ -140,27 +140,8 @@ def shaping(i: int, eos: int) -> tuple[SamplingParams, StopParams]:
 
 def hf_greedy_shaped(hf, prompt: list[int], sampling: SamplingParams, stop: StopParams, eos: int) -> list[int]:
     """Greedy decoding by Hugging Face's full forward and its processors (no cache, no drafts)."""
-    from transformers import (
-        LogitsProcessorList,
-        MinNewTokensLengthLogitsProcessor,
-        NoBadWordsLogitsProcessor,
-        RepetitionPenaltyLogitsProcessor,
-        SequenceBiasLogitsProcessor,
-    )
-
     model, _ = hf
-    processors = []
-    if sampling.banned_token_ids:
-        processors.append(NoBadWordsLogitsProcessor([[t] for t in sampling.banned_token_ids], eos_token_id=None))
-    if sampling.logit_bias:
-        processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in sampling.logit_bias}))
-    if stop.min_tokens:
-        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), stop.min_tokens, eos))
-    if sampling.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
-    if sampling.frequency_penalty or sampling.presence_penalty:
-        processors.append(OpenAIPenalties(len(prompt), sampling.frequency_penalty, sampling.presence_penalty))
-    chain = LogitsProcessorList(processors)
+    chain = hf_processors(sampling, len(prompt), stop.min_tokens, eos)
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(stop.max_tokens):
@@ -284,7 +265,7 @@ def test_sampling_with_penalties_keeps_the_target_distribution(core, hf):
     if kind != "none":
         assert sum(u.draft_tokens for u in usage) > 0, "speculation did not run"
     for position in (1, 2, 3):
-        stat, dof = _two_sample_chi_square(Counter(t[position] for t in plain), Counter(t[position] for t in spec))
+        stat, dof = two_sample_chi_square(Counter(t[position] for t in plain), Counter(t[position] for t in spec))
         assert dof >= 1 and stat < CHI2_CRIT[min(dof, 20)], f"{kind}, position {position}: chi2 {stat:.1f}, dof {dof}"
 
 

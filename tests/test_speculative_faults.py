@@ -20,6 +20,7 @@ from target_service.api_types import EngineRequest, StopParams
 from target_service.config import EngineConfig
 from target_service.engine import build_engine_core
 from tests.procs import TOKEN, Service, free_port, server_info, stream_tokens, wait_drafter
+from tests.stats import CHI2_CRIT, two_sample_chi_square
 from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash
 
 pytestmark = pytest.mark.slow
@@ -131,28 +132,6 @@ def test_drafter_sigkill_midstream_then_restart(target_model, draft_lm, tmp_path
         drafter.kill()
 
 
-def _two_sample_chi_square(a: Counter, b: Counter) -> tuple[float, int]:
-    """Chi-square statistic and degrees of freedom; rare categories pooled."""
-    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
-    rest_a = sum(v for k, v in a.items() if k not in keys)
-    rest_b = sum(v for k, v in b.items() if k not in keys)
-    rows = [(a[k], b[k]) for k in keys] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
-    na, nb = sum(a.values()), sum(b.values())
-    stat = 0.0
-    for x, y in rows:
-        total = x + y
-        for observed, n in ((x, na), (y, nb)):
-            expected = total * n / (na + nb)
-            stat += (observed - expected) ** 2 / expected
-    return stat, len(rows) - 1
-
-
-# chi-square critical values at significance 0.001 by degrees of freedom
-CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
-             10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79,
-             18: 42.31, 19: 43.82, 20: 45.31}
-
-
 def test_temperature_one_keeps_the_target_distribution(target_model, draft_lm, tmp_path):
     """Speculated samples (drafts = target argmax, accepted with probability p) follow p."""
     drafter_args = ["--model", str(draft_lm), "--port", "0", "--num-speculative-tokens", "3"]
@@ -170,8 +149,8 @@ def test_temperature_one_keeps_the_target_distribution(target_model, draft_lm, t
         assert sum(c.usage.num_drafts for _, c in spec) > n // 2, "speculation did not run"
         assert 0 < sum(c.usage.accepted_tokens for _, c in spec) < sum(c.usage.draft_tokens for _, c in spec)
         for position in (1, 2, 3):  # position 0 comes from the prefill, never from a draft
-            stat, dof = _two_sample_chi_square(Counter(t[position] for t, _ in plain),
-                                               Counter(t[position] for t, _ in spec))
+            stat, dof = two_sample_chi_square(Counter(t[position] for t, _ in plain),
+                                              Counter(t[position] for t, _ in spec))
             assert dof >= 1 and stat < CHI2_CRIT[min(dof, 20)], f"position {position}: chi2 {stat:.1f}, dof {dof}"
 
 
