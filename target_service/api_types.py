@@ -283,9 +283,7 @@ def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:
         bad = next((t for t in listed if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(field_name, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
-    banned = set(request.sampling.banned_token_ids)
-    if len(banned) >= info.vocab_size:
-        raise InvalidRequestError("sampling.banned_token_ids", "bans every token of the vocabulary")
+    check_some_token_allowed(request, info)
     total = len(ids) + request.stop.max_tokens
     if total > info.max_model_len:
         raise InvalidRequestError(
@@ -293,6 +291,23 @@ def validate_prompt(request: EngineRequest, info: ModelInfo) -> None:
             f"prompt ({len(ids)} tokens) + max_tokens ({request.stop.max_tokens}) = {total} exceeds the "
             f"model length {info.max_model_len}",
         )
+
+
+def check_some_token_allowed(request: EngineRequest, info: ModelInfo) -> None:
+    """Banned ids, and while min_tokens holds the stop ids and EOS, must leave a token to
+    generate: a row of -inf everywhere has no distribution to sample (nor an argmax that means
+    anything)."""
+    blocked = set(request.sampling.banned_token_ids)
+    if len(blocked) >= info.vocab_size:
+        raise InvalidRequestError("sampling.banned_token_ids", "bans every token of the vocabulary")
+    stop = request.stop
+    if stop.min_tokens:
+        blocked.update(stop.stop_token_ids)
+        if not stop.ignore_eos:
+            blocked.update(info.eos_token_ids)
+        if len(blocked) >= info.vocab_size:
+            raise InvalidRequestError("stop.min_tokens", "with the banned ids, the stop ids and EOS masked "
+                                      "until min_tokens, no token is left to generate")
 
 
 class EngineClient(Protocol):

@@ -411,6 +411,9 @@ INVALID = {
     "banning every token": (lambda tokenizer, vocab: _with(**{"sampling.banned_token_ids": list(range(vocab))})(
         tokenizer, vocab), "sampling.banned_token_ids"),
     "min_tokens > max_tokens": (_with(**{"stop.min_tokens": 5}), "stop.min_tokens"),
+    "min_tokens masking every token left": (lambda tokenizer, vocab: _with(**{
+        "sampling.banned_token_ids": list(range(1, vocab)), "stop.stop_token_ids": [0], "stop.min_tokens": 2})(
+        tokenizer, vocab), "stop.min_tokens"),
     "n > 16": (_with(n=17), "n"),
     "n < 0": (_with(n=-1), "n"),
     "logprobs.top > 20": (_with(**{"logprobs.completion": True, "logprobs.top": 21}), "logprobs.top"),
