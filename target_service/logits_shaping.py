@@ -42,12 +42,19 @@ class LogitsProcessor(Protocol):
         ...
 
 
-def draft_counts(base: torch.Tensor, draft: Sequence[int], num_rows: int) -> torch.Tensor:
-    """[V] counts of the context → [R, V], row i adding draft[:i]."""
-    counts = base.unsqueeze(0).repeat(num_rows, 1)  # [R, V]
-    for i, token in enumerate(draft[: num_rows - 1]):
-        counts[i + 1 :, token] += 1
-    return counts
+def context_counts(base_ids: Sequence[int], draft: Sequence[int], num_rows: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct tokens of base_ids + draft ([U] long) and how often each occurs in the
+    context of each row ([R, U] float32: base_ids, then draft[:i] for row i). Shaping touches
+    only these U columns, not the whole vocabulary."""
+    drafted = list(draft[: num_rows - 1])
+    ids, inverse = torch.tensor([*base_ids, *drafted], dtype=torch.long).unique(return_inverse=True)  # [U], [B+D]
+    counts = torch.zeros(num_rows, len(ids), dtype=torch.float32)  # [R, U]
+    split = len(base_ids)
+    counts += torch.bincount(inverse[:split], minlength=len(ids)).to(torch.float32)
+    for i, column in enumerate(inverse[split:].tolist()):
+        counts[i + 1 :, column] += 1
+    return ids.to(device), counts.to(device)
 
 
 @dataclass(frozen=True)
@@ -95,13 +102,12 @@ class RepetitionPenalty:
     penalty: float
 
     def __call__(self, rows: torch.Tensor, context: RowContext) -> torch.Tensor:
-        vocab = rows.shape[1]
-        seen_ids = torch.tensor([*context.prompt_ids, *context.output_ids], dtype=torch.long, device=rows.device)
-        base = torch.zeros(vocab, dtype=torch.int32, device=rows.device)
-        base[seen_ids] = 1
-        seen = draft_counts(base, context.draft, rows.shape[0]) > 0  # [R, V]
-        penalized = torch.where(rows > 0, rows / self.penalty, rows * self.penalty)
-        return torch.where(seen, penalized, rows)
+        ids, counts = context_counts([*context.prompt_ids, *context.output_ids], context.draft, rows.shape[0],
+                                     rows.device)  # [U], [R, U]
+        values = rows[:, ids]  # [R, U]
+        penalized = torch.where(values > 0, values / self.penalty, values * self.penalty)
+        rows[:, ids] = torch.where(counts > 0, penalized, values)
+        return rows
 
 
 @dataclass(frozen=True)
@@ -113,11 +119,9 @@ class FrequencyPresencePenalty:
     presence: float
 
     def __call__(self, rows: torch.Tensor, context: RowContext) -> torch.Tensor:
-        vocab = rows.shape[1]
-        output = torch.tensor(list(context.output_ids), dtype=torch.long, device=rows.device)
-        base = torch.bincount(output, minlength=vocab).to(torch.float32)  # [V]
-        counts = draft_counts(base, context.draft, rows.shape[0])  # [R, V]
-        return rows - self.frequency * counts - self.presence * (counts > 0).to(rows.dtype)
+        ids, counts = context_counts(context.output_ids, context.draft, rows.shape[0], rows.device)  # [U], [R, U]
+        rows[:, ids] -= self.frequency * counts + self.presence * (counts > 0).to(rows.dtype)
+        return rows
 
 
 @dataclass
@@ -164,5 +168,7 @@ def shape_rows(logits: torch.Tensor, spans: list[tuple[int, int, list[int]]],
     for (lo, hi, _), entry in zip(spans, shapers, strict=True):
         if entry is not None:
             shaper, context = entry
-            shaped[lo:hi] = shaper(shaped[lo:hi].clone(), context)
+            rows = shaped[lo:hi]  # [R, V], a view the processors may write into
+            if (out := shaper(rows, context)) is not rows:
+                shaped[lo:hi] = out
     return shaped
