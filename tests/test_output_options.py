@@ -239,8 +239,8 @@ def test_sampled_logprobs_are_the_raw_distribution(core, hf):
 def test_sampling_with_penalties_keeps_the_target_distribution(core, hf):
     """Samples with frequency and presence penalties and a logit bias, speculated, follow
     target-only samples (position 0 comes from the prefill; 1.. may come from drafts, shaped
-    after the drafts before them). At temperature 0.3 a few tokens hold most of the mass, and the
-    penalties move it between them. The prompt holds the tokens the target samples most often
+    after the drafts before them), and repeat a token as rarely. At temperature 0.3 a few tokens
+    hold most of the mass, and the penalties move it between them. The prompt holds the tokens the target samples most often
     after its text, so the n-gram drafter finds drafts too."""
     kind, engine = core
     _, tok = hf
@@ -249,7 +249,7 @@ def test_sampling_with_penalties_keeps_the_target_distribution(core, hf):
 
     def side(prompt: tuple[int, ...], disable: bool, seed0: int, requests_per_side: int = requests_per_side):
         requests = [EngineRequest(f"{disable}-{r}", prompt, n=per_request,
-                                  sampling=SamplingParams(temperature=0.3, frequency_penalty=1.0, presence_penalty=0.5,
+                                  sampling=SamplingParams(temperature=0.3, frequency_penalty=2.0, presence_penalty=2.0,
                                                           logit_bias=((text[-1], 1.5),), seed=seed0 + r * per_request),
                                   stop=StopParams(max_tokens=4, ignore_eos=True),
                                   speculation=SpeculationParams(disable=disable))
@@ -264,6 +264,11 @@ def test_sampling_with_penalties_keeps_the_target_distribution(core, hf):
     spec, usage = side(prompt, False, 1_000_000)
     if kind != "none":
         assert sum(u.draft_tokens for u in usage) > 0, "speculation did not run"
+    # A token again within a sequence: what the penalties forbid, and what a row shaped without the
+    # drafts before it would let through whenever a draft was accepted
+    repeats = [Counter(len(set(t)) < len(t) for t in side_samples) for side_samples in (plain, spec)]
+    stat, dof = two_sample_chi_square(*repeats)
+    assert dof == 0 or stat < CHI2_CRIT[dof], f"{kind}: repeats {repeats[0][True]} target-only, {repeats[1][True]} speculated"
     for position in (1, 2, 3):
         stat, dof = two_sample_chi_square(Counter(t[position] for t in plain), Counter(t[position] for t in spec))
         assert dof >= 1 and stat < CHI2_CRIT[min(dof, 20)], f"{kind}, position {position}: chi2 {stat:.1f}, dof {dof}"
