@@ -218,15 +218,24 @@ class TokenTexts:
         return text
 
 
+PROMPT_LOGPROBS_PER_CHUNK = 512  # a long prompt's logprobs (21 tokens a position) spread over messages
+
+
 def responses(output: RequestOutput, token_text: TokenTexts) -> list[pb.GenerateResponse]:
-    """A Chunk for new tokens, text or prompt logprobs, then a Complete when the output is its
-    sequence's last one."""
+    """Chunks of the prompt's logprobs (at most PROMPT_LOGPROBS_PER_CHUNK positions each, so no
+    message outgrows a client's 4 MiB default), a Chunk for new tokens or text, then a Complete
+    when the output is its sequence's last one."""
     out = []
-    if output.token_ids or output.text or output.prompt_logprobs:
+    prompt = output.prompt_logprobs or ()
+    for start in range(0, max(0, len(prompt) - PROMPT_LOGPROBS_PER_CHUNK), PROMPT_LOGPROBS_PER_CHUNK):
+        chunk = pb.Chunk(index=output.index, prompt_logprobs=[
+            position_logprobs(entry, token_text) for entry in prompt[start : start + PROMPT_LOGPROBS_PER_CHUNK]])
+        out.append(pb.GenerateResponse(chunk=chunk, request_id=output.request_id))
+    last_prompt = prompt[len(out) * PROMPT_LOGPROBS_PER_CHUNK :]
+    if output.token_ids or output.text or last_prompt:
         chunk = pb.Chunk(token_ids=output.token_ids, text=output.text, index=output.index,
                          logprobs=[position_logprobs(entry, token_text) for entry in output.logprobs or ()],
-                         prompt_logprobs=[position_logprobs(entry, token_text)
-                                          for entry in output.prompt_logprobs or ()])
+                         prompt_logprobs=[position_logprobs(entry, token_text) for entry in last_prompt])
         out.append(pb.GenerateResponse(chunk=chunk, request_id=output.request_id))
     if output.finish_reason is not None:
         complete = pb.Complete(finish_reason=int(output.finish_reason), usage=usage(output.usage or Usage()),

@@ -127,14 +127,15 @@ class ModelRunner:
     def _prompt_logprobs(self, scheduled: list[ScheduledSeq], inputs: StepInputs,
                          hidden: torch.Tensor) -> dict[int, list[PositionLogprobs]]:
         """Logprobs of the prompt tokens this step's chunks predict that no earlier step did (a
-        recomputed sequence's were reported already): row at position p predicts token p + 1."""
+        recomputed sequence's were reported already): row at position p predicts token p + 1, so a
+        chunk of positions [s, e) predicts prompt positions s + 1 .. e (e is the next chunk's first)."""
         out: dict[int, list[PositionLogprobs]] = {}
         for s, start in zip(scheduled, inputs.row_starts):
             seq, params = s.seq, s.seq.request.logprobs
             if not params.prompt or seq.index != 0:
                 continue
             first = max(seq.num_computed_tokens + 1, seq.prompt_logprobs_done)  # the first prompt position predicted
-            end = min(seq.num_computed_tokens + s.num_query_tokens, seq.num_prompt_tokens)  # past the last
+            end = min(seq.num_computed_tokens + s.num_query_tokens + 1, seq.num_prompt_tokens)  # past the last
             if first >= end:
                 continue
             rows = [start + (p - 1 - seq.num_computed_tokens) for p in range(first, end)]

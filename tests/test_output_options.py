@@ -233,6 +233,24 @@ def test_sampled_logprobs_are_the_raw_distribution(core, hf):
                        range(len(prompt) - 1, len(prompt) - 1 + len(got)), 2, f"{kind}, {r.request_id}")
 
 
+def test_prompt_logprobs_of_a_chunked_prompt_equal_transformers(core, hf):
+    """A prompt prefilled in chunks of 128 tokens (and two of them at once): every position's
+    logprob, those at the chunk boundaries included."""
+    kind, engine = core
+    _, tok = hf
+    prompt = tok.encode("\n".join(PROMPTS))
+    assert len(prompt) > 2 * 128
+    logprobs = LogprobParams(prompt=True, prompt_top=PROMPT_TOP)
+    requests = [EngineRequest(f"long{i}", tuple(prompt), logprobs=logprobs, stop=StopParams(max_tokens=2))
+                for i in range(2)]
+    outputs = run(engine, requests, 2)
+    reference = hf_logprobs(hf, prompt)
+    for r in requests:
+        [(first, *entries)] = [o.prompt_logprobs for o in outputs[(r.request_id, 0)] if o.prompt_logprobs]
+        assert first.chosen.token_id == prompt[0] and first.chosen.logprob is None
+        check_logprobs(reference, entries, prompt[1:], range(len(prompt) - 1), PROMPT_TOP, f"{kind}, {r.request_id}")
+
+
 # ---------------------------------------------------------------- sampled distribution under speculation
 
 

@@ -469,6 +469,20 @@ def test_n_sequences_stream_with_their_index_and_logprobs(stub, tokenizer):
     wait_pages_free(stub)
 
 
+def test_a_long_prompts_logprobs_come_in_several_chunks(stub):
+    """1,200 prompt positions with 20 alternatives each (~600 KB): three Chunks of at most 512
+    positions, in order, the last carrying the first token."""
+    ids = [(7 * i) % 400 + 3 for i in range(1200)]
+    msg = request(max_tokens=2)
+    msg.token_ids.ids.extend(ids)
+    msg.logprobs.prompt, msg.logprobs.prompt_top = True, 20
+    chunks = [r.chunk for r in stub.Generate(msg, timeout=60) if r.HasField("chunk")]
+    sizes = [len(c.prompt_logprobs) for c in chunks if c.prompt_logprobs]
+    assert sizes == [512, 512, 176] and chunks[2].token_ids and not chunks[0].token_ids
+    assert [e.chosen.token_id for c in chunks for e in c.prompt_logprobs] == ids
+    assert all(len(e.top) == 20 for c in chunks for e in c.prompt_logprobs[1:] if e.chosen.HasField("logprob"))
+
+
 def test_a_tiny_temperature_decodes_greedily(stub):
     """logits / 1e-40 overflow float32 (inf - inf = NaN): such a request used to fail the step
     for every request in the batch; below 1e-5 the temperature means greedy."""

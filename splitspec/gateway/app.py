@@ -432,26 +432,28 @@ def completion_events(gen: Generation, shape: Shape, include_usage: bool) -> Asy
         id=gen.request_id, created=gen.created, model=gen.model,
         choices=[CompletionChoice(text=TEXT_PLACEHOLDER, finish_reason=None)])) if shape.plain else None
     offsets = [0] * shape.choices  # text offsets of each choice's next logprob
+    prompt_logprobs: list[pb.PositionLogprobs] = []  # gathered over the first chunks, for the echo
+    echo_pending = [shape.echo]
 
     def chunk_events(chunk: pb.Chunk) -> list[str]:
         if plain is not None:
             return [plain(chunk.text)] if chunk.text else []
-        events = []
-        if chunk.prompt_logprobs or (shape.echo and shape.prompt_text is not None and not offsets[0]):
-            events.extend(_echo_events(list(chunk.prompt_logprobs)))
-        if chunk.text or chunk.logprobs:
-            logprobs = None
-            if shape.logprobs:
-                logprobs = convert.completion_logprobs(list(chunk.logprobs), offsets[chunk.index])
-                offsets[chunk.index] += sum(len(e.chosen.token) for e in chunk.logprobs)
-            events.append(event([CompletionChoice(index=chunk.index, text=chunk.text, logprobs=logprobs,
-                                                  finish_reason=None)]))
+        prompt_logprobs.extend(chunk.prompt_logprobs)
+        if not (chunk.text or chunk.logprobs):
+            return []
+        events = echo_events() if echo_pending[0] else []
+        logprobs = None
+        if shape.logprobs:
+            logprobs = convert.completion_logprobs(list(chunk.logprobs), offsets[chunk.index])
+            offsets[chunk.index] += sum(len(e.chosen.token) for e in chunk.logprobs)
+        events.append(event([CompletionChoice(index=chunk.index, text=chunk.text, logprobs=logprobs,
+                                              finish_reason=None)]))
         return events
 
-    def _echo_events(prompt_logprobs: list[pb.PositionLogprobs]) -> list[str]:
-        """The echoed prompt, once per choice, before its first text."""
-        if not shape.echo:
-            return []
+    def echo_events() -> list[str]:
+        """The echoed prompt, once per choice, before the first text (the prompt's logprobs come
+        first, possibly over several chunks)."""
+        echo_pending[0] = False
         text = echoed_prompt(shape, prompt_logprobs)
         logprobs = convert.completion_logprobs(prompt_logprobs) if shape.logprobs else None
         for i in range(shape.choices):
