@@ -16,16 +16,7 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import (
-    REPO_ROOT,
-    Service,
-    family_of,
-    free_port,
-    private_shm_dir,
-    scrape_metrics,
-    server_info,
-    wait_idle,
-)
+from tests.procs import REPO_ROOT, Service, family_of, free_port, private_shm_dir, scrape_metrics, server_info, wait_idle
 from tests.tiny_models import PROMPTS, make_qwen3
 
 MAX_BODY = 64 * 1024
