@@ -136,6 +136,8 @@ def build_request(prompt: str, args: argparse.Namespace, index: int) -> pb.Gener
     if args.temperature > 0:
         request.sampling.seed = args.seed + index
     request.speculation.disable = args.no_speculation
+    if args.top_logprobs is not None:
+        request.logprobs.completion, request.logprobs.top = True, args.top_logprobs
     return request
 
 
@@ -264,6 +266,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seeds are seed + request index")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
     p.add_argument("--no-speculation", action="store_true", help="ask the target not to speculate")
+    p.add_argument("--top-logprobs", type=int, default=None, metavar="N",
+                   help="ask for every output token's logprob and its N most likely alternatives (0..20)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")

@@ -80,7 +80,7 @@ class AsyncEngine:
         self._streams[request.request_id] = queue
         self._pending_adds.append(request)
         self._notify()
-        return RequestStream(self, request.request_id, queue)
+        return RequestStream(self, request.request_id, queue, request.n)
 
     def _check_admission(self, request: EngineRequest) -> None:
         if not self._admitting or self._loop_task is None:
@@ -116,7 +116,7 @@ class AsyncEngine:
         for request in adds:  # a request aborted before it got here still counts: admitted, then aborted
             self._core.add(request)
         for request_id in aborts:
-            if (out := self._core.abort(request_id)) is not None:
+            for out in self._core.abort(request_id):
                 self._deliver(out)
 
     def _deliver(self, output: RequestOutput | BaseException, request_id: str | None = None) -> None:
@@ -154,8 +154,8 @@ class AsyncEngine:
                 await self.run_on_engine_thread(self._core.handshake)
 
     def _fail_all(self, exc: Exception) -> None:
-        for out in self._core.abort_all():
-            self._deliver(RuntimeError(f"engine step failed: {exc}"), out.request_id)
+        for request_id in {out.request_id for out in self._core.abort_all()}:
+            self._deliver(RuntimeError(f"engine step failed: {exc}"), request_id)
 
     def server_info(self) -> dict:
         state = self._core.state()
@@ -192,7 +192,8 @@ class AsyncEngine:
 
 
 class RequestStream:
-    """The outputs of one admitted request, as an async iterator.
+    """The outputs of one admitted request (all its n sequences), as an async iterator that
+    ends after the n-th last output.
 
     Closing it before the last output aborts the request (its pages are free at the next
     step), whether or not it was ever iterated: a handler cancelled between admission and
@@ -201,10 +202,11 @@ class RequestStream:
     `aclose()` on one that never started skips its `finally`.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, n: int = 1) -> None:
         self._engine = engine
         self._request_id = request_id
         self._queue = queue
+        self._unfinished = n  # sequences whose last output has not come
         self._finished = False
         self._closed = False
 
@@ -223,7 +225,9 @@ class RequestStream:
         if isinstance(item, BaseException):
             await self.aclose()
             raise item
-        self._finished = item.finish_reason is not None
+        if item.finish_reason is not None:
+            self._unfinished -= 1
+            self._finished = self._unfinished == 0
         return item
 
     async def aclose(self) -> None:

@@ -16,15 +16,19 @@ from dataclasses import dataclass
 from common.layout_proto import kv_layout_to_proto
 from splitspec.v1 import generation_pb2 as pb
 from target_service.api_types import (
+    MAX_LOGIT_BIAS_ENTRIES,
     EngineRequest,
     InvalidRequestError,
+    LogprobParams,
     ModelInfo,
+    PositionLogprobs,
     RequestOutput,
     SamplingParams,
     SpeculationParams,
     StopParams,
     StructuredOutputKind,
     StructuredOutputParams,
+    TokenLogprob,
     Usage,
     check_prompt_fits,
 )
@@ -75,6 +79,8 @@ def engine_request(msg: pb.GenerateRequest, tokenizer: PromptTokenizer, model_in
         speculation=speculation_params(msg.speculation),
         cache_salt=cache_salt(msg.cache_salt),
         structured_output=structured_output_params(msg),
+        logprobs=logprob_params(msg.logprobs),
+        n=msg.n or 1,
     )
 
 
@@ -170,7 +176,21 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=_logit_bias(msg),
+        banned_token_ids=tuple(msg.banned_token_ids),
     )
+
+
+def _logit_bias(msg: pb.SamplingParams) -> tuple[tuple[int, float], ...]:
+    """The map as sorted pairs, its size bounded before it is copied."""
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                                  f"got {len(msg.logit_bias)}")
+    return tuple(sorted(msg.logit_bias.items()))
 
 
 def stop_params(msg: pb.StopParams, default_max: int) -> StopParams:
@@ -179,7 +199,12 @@ def stop_params(msg: pb.StopParams, default_max: int) -> StopParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
     )
+
+
+def logprob_params(msg: pb.LogprobParams) -> LogprobParams:
+    return LogprobParams(completion=msg.completion, top=msg.top, prompt=msg.prompt, prompt_top=msg.prompt_top)
 
 
 def speculation_params(msg: pb.SpeculationParams) -> SpeculationParams:
@@ -207,16 +232,55 @@ def structured_output_params(msg: pb.GenerateRequest) -> StructuredOutputParams 
 # ---------------------------------------------------------------- responses
 
 
-def responses(output: RequestOutput) -> list[pb.GenerateResponse]:
-    """A Chunk for new tokens or text, then a Complete when the output is the last one."""
+class TokenTexts:
+    """Each token id decoded alone, as logprobs name their tokens; memoized (at most a
+    vocabulary's worth of short strings)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+PROMPT_LOGPROBS_PER_CHUNK = 512  # a long prompt's logprobs (21 tokens a position) spread over messages
+
+
+def responses(output: RequestOutput, token_text: TokenTexts) -> list[pb.GenerateResponse]:
+    """Chunks of the prompt's logprobs (at most PROMPT_LOGPROBS_PER_CHUNK positions each, so no
+    message outgrows a client's 4 MiB default), a Chunk for new tokens or text, then a Complete
+    when the output is its sequence's last one."""
     out = []
-    if output.token_ids or output.text:
-        chunk = pb.Chunk(token_ids=output.token_ids, text=output.text)
+    prompt = output.prompt_logprobs or ()
+    for start in range(0, max(0, len(prompt) - PROMPT_LOGPROBS_PER_CHUNK), PROMPT_LOGPROBS_PER_CHUNK):
+        chunk = pb.Chunk(index=output.index, prompt_logprobs=[
+            position_logprobs(entry, token_text) for entry in prompt[start : start + PROMPT_LOGPROBS_PER_CHUNK]])
+        out.append(pb.GenerateResponse(chunk=chunk, request_id=output.request_id))
+    last_prompt = prompt[len(out) * PROMPT_LOGPROBS_PER_CHUNK :]
+    if output.token_ids or output.text or last_prompt:
+        chunk = pb.Chunk(token_ids=output.token_ids, text=output.text, index=output.index,
+                         logprobs=[position_logprobs(entry, token_text) for entry in output.logprobs or ()],
+                         prompt_logprobs=[position_logprobs(entry, token_text) for entry in last_prompt])
         out.append(pb.GenerateResponse(chunk=chunk, request_id=output.request_id))
     if output.finish_reason is not None:
-        complete = pb.Complete(finish_reason=int(output.finish_reason), usage=usage(output.usage or Usage()))
+        complete = pb.Complete(finish_reason=int(output.finish_reason), usage=usage(output.usage or Usage()),
+                               index=output.index)
         out.append(pb.GenerateResponse(complete=complete, request_id=output.request_id))
     return out
+
+
+def position_logprobs(entry: PositionLogprobs, token_text: TokenTexts) -> pb.PositionLogprobs:
+    return pb.PositionLogprobs(chosen=token_logprob(entry.chosen, token_text),
+                               top=[token_logprob(t, token_text) for t in entry.top])
+
+
+def token_logprob(entry: TokenLogprob, token_text: TokenTexts) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank or 0,
+                           token=token_text(entry.token_id))
 
 
 def usage(u: Usage) -> pb.Usage:

@@ -12,17 +12,24 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from common.kv_layout import KVLayout
-from target_service.api_types import EngineRequest, FinishReason, ModelInfo, RequestOutput, StopParams
+from target_service.api_types import (
+    EngineRequest,
+    FinishReason,
+    ModelInfo,
+    PositionLogprobs,
+    RequestOutput,
+    StopParams,
+    TokenLogprob,
+)
 from target_service.config import EngineConfig
 from target_service.detokenizer import IncrementalDetokenizer
 from target_service.draft_policy import DraftPolicy
 from target_service.drafter_link import DrafterLink
 from target_service.handshake import SharedPool
+from target_service.logits_shaping import LogitsShaper
 from target_service.metrics import EngineState, TargetMetrics
-from target_service.model_runner import ModelRunner
+from target_service.model_runner import ModelRunner, SequenceSampling
 from target_service.page_manager import PageManager, PrefixHit
 from target_service.sampling import SamplingSpec, make_generator
 from target_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -35,12 +42,15 @@ log = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "__warmup__"
 
 
+ChoiceKey = tuple[str, int]  # (request id, index): one of a request's n sequences
+
+
 @dataclass
 class _Tracked:
     seq: Sequence
     detok: IncrementalDetokenizer
-    spec: SamplingSpec
-    generator: torch.Generator | None
+    sampling: SequenceSampling
+    prompt_logprobs: list[PositionLogprobs] | None = None  # gathered over prefill chunks until the first output
     grammar: SequenceGrammar | None = None  # structured output: its state follows the emitted tokens
 
 
@@ -69,7 +79,7 @@ class EngineCore:
             prefix_hit=self._prefix_hit,
         )
         self.speculator.page_manager = self.page_manager
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[ChoiceKey, _Tracked] = {}
         self._next_seq_id = 0
         self.metrics = TargetMetrics()  # what Prometheus reads; warmup swaps in a throwaway one
         self.metrics.watch(self.state)
@@ -119,26 +129,43 @@ class EngineCore:
     # --- requests ------------------------------------------------------------------------
 
     def add(self, request: EngineRequest) -> None:
-        seq = Sequence.from_request(request, self._next_seq_id)
-        self._next_seq_id += 1
-        sampling = request.sampling
-        spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k)
-        generator = None if spec.greedy else make_generator(sampling.seed, self.runner.device)
-        detok = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids), request.stop.stop)
-        grammar = request.grammar.new_sequence() if request.grammar is not None else None
-        self._tracked[request.request_id] = _Tracked(seq, detok, spec, generator, grammar)
-        self.scheduler.add(seq)
-        self.metrics.on_admitted(seq)
+        """Admit a request as its n sequences, each sampling on its own (`SamplingParams.for_choice`)
+        and, with structured output, following its own grammar state."""
+        for index in range(request.n):
+            seq = Sequence.from_request(request, self._next_seq_id, index)
+            self._next_seq_id += 1
+            detok = IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids), request.stop.stop)
+            grammar = request.grammar.new_sequence() if request.grammar is not None else None
+            self._tracked[(request.request_id, index)] = _Tracked(seq, detok, self._sequence_sampling(request, index),
+                                                                  grammar=grammar)
+            self.scheduler.add(seq)
+            self.metrics.on_admitted(seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
-            return None
-        self._remove(tracked.seq)
-        return self._finish_output(tracked, FinishReason.ABORT, ())
+    def _sequence_sampling(self, request: EngineRequest, index: int) -> SequenceSampling:
+        sampling = request.sampling.for_choice(index)
+        spec = SamplingSpec(sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+        generator = None if spec.greedy else make_generator(sampling.seed, self.runner.device)
+        stop = request.stop
+        stop_ids = [*stop.stop_token_ids, *(() if stop.ignore_eos else self.model_info.eos_token_ids)]
+        shaper = LogitsShaper.for_request(sampling, stop.min_tokens, stop_ids, self.runner.device)
+        top = request.logprobs.top if request.logprobs.completion else None
+        return SequenceSampling(spec, generator, shaper, top)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """End every sequence of the request still running; their last outputs (empty when none)."""
+        keys = [key for key in self._tracked if key[0] == request_id]
+        outputs = []
+        for key in keys:
+            tracked = self._tracked.pop(key)
+            self._remove(tracked.seq)
+            outputs.append(self._finish_output(tracked, FinishReason.ABORT, ()))
+        return outputs
 
     def abort_all(self) -> list[RequestOutput]:
-        return [out for rid in list(self._tracked) if (out := self.abort(rid)) is not None]
+        return [out for rid in {key[0] for key in self._tracked} for out in self.abort(rid)]
+
+    def in_flight(self, request_id: str) -> bool:
+        return any(key[0] == request_id for key in self._tracked)
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -157,19 +184,20 @@ class EngineCore:
         if plan.is_empty:
             return []
         self._note_first_scheduling(plan.scheduled)
-        tracked = [self._tracked[s.seq.request_id] for s in plan.scheduled if s.samples]
+        tracked = [self._tracked[(s.seq.request_id, s.seq.index)] for s in plan.scheduled if s.samples]
         verified = self._grammar_checked(tracked, drafts)
         started = time.perf_counter()
-        emitted, row_starts = self.runner.execute(plan.scheduled, verified, [t.spec for t in tracked],
-                                                  [t.generator for t in tracked],
-                                                  [t.grammar for t in tracked])  # host lists: the device is done
+        result = self.runner.execute(plan.scheduled, verified, [t.sampling for t in tracked],
+                                     [t.grammar for t in tracked])  # host lists: the device is done
         seconds = time.perf_counter() - started
+        emitted, row_starts = result.tokens, result.row_starts
+        self._gather_prompt_logprobs(plan.scheduled, result.prompt_logprobs)
         prefilled = any(s.num_query_tokens > 1 for s in plan.scheduled)
         self.metrics.observe_forward(seconds, verified=bool(drafts), prefilled=prefilled)
         computed_before = self._advance(plan.scheduled)
         accepted = {t.seq.seq_id: len(tokens) - 1 for t, tokens in zip(tracked, emitted) if drafts.get(t.seq.seq_id)}
-        outputs = [out for t, tokens in zip(tracked, emitted)
-                   if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens)) is not None]
+        outputs = [out for t, tokens, logprobs in zip(tracked, emitted, result.logprobs)
+                   if (out := self._accept(t, drafts.get(t.seq.seq_id), tokens, logprobs)) is not None]
         for s in plan.scheduled:  # pages now full of computed tokens serve later prompts at once
             if not s.seq.is_finished:
                 self.page_manager.commit(s.seq)
@@ -208,16 +236,25 @@ class EngineCore:
             s.seq.num_computed_tokens += s.num_query_tokens
         return computed_before
 
-    def _accept(self, tracked: _Tracked, draft: list[int] | None, tokens: list[int]) -> RequestOutput | None:
+    def _gather_prompt_logprobs(self, scheduled: list[ScheduledSeq],
+                                computed: dict[int, list[PositionLogprobs]]) -> None:
+        for s in scheduled:
+            if (entries := computed.get(s.seq.seq_id)) is not None:
+                tracked = self._tracked[(s.seq.request_id, s.seq.index)]
+                tracked.prompt_logprobs = (tracked.prompt_logprobs or []) + entries
+
+    def _accept(self, tracked: _Tracked, draft: list[int] | None, tokens: list[int],
+                logprobs: list[PositionLogprobs] | None) -> RequestOutput | None:
         """A sampling sequence's emitted tokens: accepted drafts (their KV is written), then output."""
         if draft:
             accepted = len(tokens) - 1
             self.metrics.on_verified(len(draft), accepted)
             tracked.seq.spec.record(len(draft), accepted)
             tracked.seq.num_computed_tokens += accepted  # the accepted drafts' KV was written by the verify
-        return self._append_tokens(tracked, tokens)
+        return self._append_tokens(tracked, tokens, logprobs)
 
-    def _append_tokens(self, tracked: _Tracked, tokens: list[int]) -> RequestOutput | None:
+    def _append_tokens(self, tracked: _Tracked, tokens: list[int],
+                       logprobs: list[PositionLogprobs] | None) -> RequestOutput | None:
         """Append emitted tokens, check stops, return the stream's increment."""
         seq, detok = tracked.seq, tracked.detok
         emitted: list[int] = []
@@ -233,12 +270,26 @@ class EngineCore:
             if reason is not None:
                 break
         self._note_tokens(seq, len(emitted))
+        kept_logprobs = tuple(logprobs[: len(emitted)]) if logprobs is not None else None
         if reason is None:
             text = detok.take(final=False)
-            return RequestOutput(seq.request_id, tuple(emitted), text) if emitted or text else None
-        del self._tracked[seq.request_id]
+            if not (emitted or text):
+                return None
+            return RequestOutput(seq.request_id, tuple(emitted), text, index=seq.index, logprobs=kept_logprobs,
+                                 prompt_logprobs=self._take_prompt_logprobs(tracked))
+        del self._tracked[(seq.request_id, seq.index)]
         self._remove(seq)
-        return self._finish_output(tracked, reason, tuple(emitted))
+        return self._finish_output(tracked, reason, tuple(emitted), kept_logprobs)
+
+    @staticmethod
+    def _take_prompt_logprobs(tracked: _Tracked) -> tuple[PositionLogprobs, ...] | None:
+        """The prompt's logprobs, handed out once (with the first output), the first token's
+        without a value (nothing predicts it)."""
+        entries, tracked.prompt_logprobs = tracked.prompt_logprobs, None
+        if entries is None:
+            return None
+        first = PositionLogprobs(TokenLogprob(tracked.seq.token_ids[0], None, None))
+        return (first, *entries)
 
     def _note_tokens(self, seq: Sequence, n: int) -> None:
         now = time.monotonic()
@@ -250,6 +301,8 @@ class EngineCore:
 
     def _stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> FinishReason | None:
         stop: StopParams = seq.request.stop
+        if seq.num_output_tokens < stop.min_tokens:  # (min_tokens <= max_tokens)
+            return FinishReason.MODEL_LENGTH if seq.num_tokens >= self.model_info.max_model_len else None
         if token in stop.stop_token_ids:
             return FinishReason.STOP
         if not stop.ignore_eos and token in self.model_info.eos_token_ids:
@@ -277,10 +330,14 @@ class EngineCore:
             return FinishReason.ABORT
         return FinishReason.STOP if grammar.terminated else None
 
-    def _finish_output(self, tracked: _Tracked, reason: FinishReason, tokens: tuple[int, ...]) -> RequestOutput:
+    def _finish_output(self, tracked: _Tracked, reason: FinishReason, tokens: tuple[int, ...],
+                       logprobs: tuple[PositionLogprobs, ...] | None = None) -> RequestOutput:
         self.metrics.on_finished(tracked.seq, reason.name.lower(), time.monotonic())
         text = tracked.detok.take(final=True)
-        return RequestOutput(tracked.seq.request_id, tokens, text, reason, tracked.seq.usage())
+        if logprobs is None and tracked.sampling.top_logprobs is not None:
+            logprobs = ()
+        return RequestOutput(tracked.seq.request_id, tokens, text, reason, tracked.seq.usage(), tracked.seq.index,
+                             logprobs, self._take_prompt_logprobs(tracked))
 
     # --- the drafter handshake (handshake.py) ---------------------------------------------
 
@@ -323,7 +380,7 @@ class EngineCore:
         served, self.metrics = self.metrics, TargetMetrics()  # warmup traffic is not served traffic
         try:
             self.add(request)
-            while request.request_id in self._tracked:
+            while self.in_flight(request.request_id):
                 self.step()
         finally:
             self.metrics = served

@@ -9,8 +9,12 @@ import torch
 from common.attention_metadata import AttentionMetadata
 from common.compiled_forward import CompileConfig, CompiledForward, decoder_stack
 from common.kv_pool import PagePool
+from target_service.api_types import PositionLogprobs
+from target_service.logits_shaping import LogitsShaper, RowContext, shape_rows
+from target_service.logprobs import position_logprobs, prompt_logprobs
 from target_service.sampling import SamplingSpec
 from target_service.scheduler import ScheduledSeq
+from target_service.sequence import Sequence
 from target_service.spec_decode import verify_batch
 from target_service.structured_output import SequenceGrammar, constrain_rows
 
@@ -21,6 +25,30 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     row_starts: list[int]  # first query row of each scheduled sequence
+
+
+@dataclass(frozen=True)
+class SequenceSampling:
+    """How a sequence's tokens are chosen at each step, and which logprobs it reports."""
+
+    spec: SamplingSpec
+    generator: torch.Generator | None
+    shaper: LogitsShaper | None = None  # None: the raw logits are sampled
+    top_logprobs: int | None = None  # None: no logprobs; else the alternatives per token
+
+    def context(self, seq: Sequence, draft: list[int]) -> RowContext:
+        split = seq.num_prompt_tokens
+        return RowContext(seq.token_ids[:split], seq.token_ids[split:], draft)
+
+
+@dataclass
+class StepResult:
+    """What one step chose, per sampling sequence in order, and the prompt logprobs it computed."""
+
+    tokens: list[list[int]]  # 1..K+1 emitted tokens each
+    logprobs: list[list[PositionLogprobs] | None]  # one entry per emitted token, when asked
+    prompt_logprobs: dict[int, list[PositionLogprobs]]  # seq id → this step's prompt positions, in order
+    row_starts: list[int]  # the first staging row of every scheduled sequence
 
 
 class ModelRunner:
@@ -73,28 +101,53 @@ class ModelRunner:
         self,
         scheduled: list[ScheduledSeq],
         drafts: dict[int, list[int]],
-        specs: list[SamplingSpec],
-        generators: list[torch.Generator | None],
-        grammars: list[SequenceGrammar | None] | None = None,
-    ) -> tuple[list[list[int]], list[int]]:
-        """One step (prefill chunks, decodes and verifies together).
-
-        Returns the tokens each sampling sequence emits (1..K+1, in order) and the first
-        staging row of every scheduled sequence. `grammars` (per sampling sequence, None where
-        unconstrained) mask their verify rows before the accept rule reads them.
-        """
+        sampling: list[SequenceSampling],  # one per sampling sequence (`ScheduledSeq.samples`), in order
+        grammars: list[SequenceGrammar | None] | None = None,  # structured output, per sampling sequence
+    ) -> StepResult:
+        """One step (prefill chunks, decodes and verifies together): each sampling sequence's
+        rows are shaped (its `LogitsShaper`) and masked to what its grammar allows (drafts the
+        grammar forbids cut there), then verified or sampled. Logprobs read the raw rows."""
         inputs = self.build_inputs(scheduled, drafts)
         self.backend.plan(inputs.meta)
         hidden, captured = self.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
                                       capture_layers=self.capture_layers)  # [T, hidden]
         self._stage_hidden(captured, inputs.meta.num_tokens)
+        prompt = self._prompt_logprobs(scheduled, inputs, hidden)
         rows, spans = self._logit_rows(scheduled, drafts, inputs)
         if not spans:  # a step of prefill chunks only: no logits are read
-            return [], inputs.row_starts
+            return StepResult([], [], prompt, inputs.row_starts)
+        sampling_seqs = [s.seq for s in scheduled if s.samples]
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
-        if grammars is not None:
-            spans = constrain_rows(logits, spans, grammars)
-        return verify_batch(spans, logits, specs, generators), inputs.row_starts
+        shaped = shape_rows(logits, spans, [
+            (entry.shaper, entry.context(seq, draft)) if entry.shaper is not None else None
+            for (_, _, draft), entry, seq in zip(spans, sampling, sampling_seqs, strict=True)])
+        if grammars is not None and any(g is not None for g in grammars):
+            shaped = shaped if shaped is not logits else logits.clone()  # the raw rows stay for logprobs
+            spans = constrain_rows(shaped, spans, grammars)
+        tokens = verify_batch(spans, shaped, [e.spec for e in sampling], [e.generator for e in sampling])
+        logprobs = [position_logprobs(logits[lo : lo + len(emitted)], emitted, entry.top_logprobs)
+                    if entry.top_logprobs is not None else None
+                    for (lo, _, _), emitted, entry in zip(spans, tokens, sampling)]
+        return StepResult(tokens, logprobs, prompt, inputs.row_starts)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledSeq], inputs: StepInputs,
+                         hidden: torch.Tensor) -> dict[int, list[PositionLogprobs]]:
+        """Logprobs of the prompt tokens this step's chunks predict that no earlier step did (a
+        recomputed sequence's were reported already): row at position p predicts token p + 1, so a
+        chunk of positions [s, e) predicts prompt positions s + 1 .. e (e is the next chunk's first)."""
+        out: dict[int, list[PositionLogprobs]] = {}
+        for s, start in zip(scheduled, inputs.row_starts):
+            seq, params = s.seq, s.seq.request.logprobs
+            if not params.prompt or seq.index != 0:
+                continue
+            first = max(seq.num_computed_tokens + 1, seq.prompt_logprobs_done)  # the first prompt position predicted
+            end = min(seq.num_computed_tokens + s.num_query_tokens + 1, seq.num_prompt_tokens)  # past the last
+            if first >= end:
+                continue
+            rows = [start + (p - 1 - seq.num_computed_tokens) for p in range(first, end)]
+            out[seq.seq_id] = prompt_logprobs(self.model, hidden, rows, seq.token_ids[first:end], params.prompt_top)
+            seq.prompt_logprobs_done = end
+        return out
 
     def _stage_hidden(self, captured: dict[int, torch.Tensor], num_tokens: int) -> None:
         if self.staging is None or not self.capture_layers:

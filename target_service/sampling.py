@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request generators.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, with per-request generators.
 
 `sampling_probs` is the one place logits become a distribution: the speculative rejection
 sampler (target_service/spec_decode.py) uses it for verified tokens and for the plain,
@@ -19,6 +19,7 @@ class SamplingSpec:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -26,9 +27,14 @@ class SamplingSpec:
 
 
 def sampling_probs(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
-    """[N, V] float logits → [N, V] probabilities after temperature, top-k and top-p."""
+    """[N, V] float logits → [N, V] probabilities after temperature, min-p, top-k and top-p
+    (vLLM's order)."""
     scores = logits.float() / spec.temperature
     vocab = scores.shape[-1]
+    if spec.min_p > 0:
+        probs = torch.softmax(scores, dim=-1)
+        floor = spec.min_p * probs.amax(dim=-1, keepdim=True)  # [N, 1]
+        scores = scores.masked_fill(probs < floor, float("-inf"))
     if 0 < spec.top_k < vocab:
         kth = torch.topk(scores, spec.top_k, dim=-1).values[..., -1:]  # [N, 1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -54,11 +54,13 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     num_started_tokens: int = 0  # tokens cached when it was last admitted: its first forward starts there
     drafter_written_tokens: int = 0  # leading tokens whose draft layers the drafter reported written
+    index: int = 0  # which of the request's n sequences
+    prompt_logprobs_done: int = 1  # prompt positions below this have their logprob reported (position 0 has none)
 
     @classmethod
-    def from_request(cls, request: EngineRequest, seq_id: int) -> Sequence:
+    def from_request(cls, request: EngineRequest, seq_id: int, index: int = 0) -> Sequence:
         prompt = list(request.prompt_token_ids)
-        return cls(request=request, seq_id=seq_id, token_ids=prompt, num_prompt_tokens=len(prompt))
+        return cls(request=request, seq_id=seq_id, token_ids=prompt, num_prompt_tokens=len(prompt), index=index)
 
     @property
     def request_id(self) -> str:

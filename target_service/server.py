@@ -134,17 +134,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, slot: EngineSlot, defaults: convert.RequestDefaults, tokenize_threads: int = 2) -> None:
         self._slot = slot
         self.prompts = PromptReader(defaults, tokenize_threads)
+        self._token_texts: convert.TokenTexts | None = None  # once the engine (its tokenizer) is there
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self._slot.require()
         engine_request = await self.prompts.read(request, engine)
         outputs = engine.generate(engine_request)
+        if self._token_texts is None:
+            self._token_texts = convert.TokenTexts(engine.tokenizer())
         # Closing the engine's iterator (on cancel, deadline or a failed write) frees the
         # sequence and its pages at the next step.
         async with contextlib.aclosing(outputs):
             await context.send_initial_metadata(((REQUEST_ID_METADATA, engine_request.request_id),))
             async for output in outputs:
-                for response in convert.responses(output):
+                for response in convert.responses(output, self._token_texts):
                     yield response
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -228,3 +228,11 @@ def family_of(name: str) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
+
+
+def start_gateway(target: str, log_path: Path, *args: str) -> Service:
+    """A `splitspec-gateway` child in front of `target`, once it listens."""
+    gateway = Service("splitspec.gateway.cli", ["--target", target, "--port", "0", *args], log_path,
+                      metrics_flag=False)
+    gateway.wait_listening()
+    return gateway

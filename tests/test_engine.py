@@ -156,8 +156,8 @@ def test_abort_frees_pages(model_dir, tmp_path):
     core.add(EngineRequest("a", tuple(range(5, 40)), stop=StopParams(max_tokens=50)))
     core.step()
     assert core.page_manager.num_free_pages < core.page_manager.num_pages
-    out = core.abort("a")
+    [out] = core.abort("a")
     assert out.finish_reason is FinishReason.ABORT
     assert core.page_manager.num_free_pages == core.page_manager.num_pages
-    assert core.abort("a") is None
+    assert core.abort("a") == []
     core.close()

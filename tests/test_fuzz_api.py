@@ -137,7 +137,31 @@ def generate_requests(draw, vocab: int) -> pb.GenerateRequest:
     if draw(st.booleans()):
         msg.speculation.disable = draw(st.booleans())
         msg.speculation.num_speculative_tokens = draw(mostly(st.integers(0, 16), st.integers(*INT32)))
+    if draw(st.integers(0, 3)) == 0:
+        _draw_output_options(draw, msg, vocab)
     return msg
+
+
+def _draw_output_options(draw, msg: pb.GenerateRequest, vocab: int) -> None:
+    """Logit shaping, min_tokens, logprobs and n: mostly in range, else anything the wire holds."""
+    s = msg.sampling
+    s.min_p = draw(mostly(st.floats(0, 1, width=32), st.floats(width=32)))
+    s.presence_penalty = draw(mostly(st.floats(-2, 2, width=32), st.floats(width=32)))
+    s.frequency_penalty = draw(mostly(st.floats(-2, 2, width=32), st.floats(width=32)))
+    if draw(st.booleans()):
+        s.repetition_penalty = draw(mostly(st.floats(0.5, 2, width=32), st.floats(width=32)))
+    s.logit_bias.update(draw(mostly(st.dictionaries(st.integers(0, vocab - 1), st.floats(-100, 100, width=32),
+                                                    max_size=3),
+                                    st.dictionaries(st.integers(*INT32), st.floats(width=32), max_size=3))))
+    s.banned_token_ids.extend(draw(mostly(st.lists(st.integers(0, vocab - 1), max_size=3),
+                                          st.one_of(st.lists(st.integers(*INT32), max_size=3),
+                                                    st.just(list(range(vocab)))))))
+    msg.stop.min_tokens = draw(mostly(st.integers(0, 2), st.integers(*INT32)))
+    msg.n = draw(mostly(st.integers(0, 3), st.integers(*INT32)))
+    lp = msg.logprobs
+    lp.completion, lp.prompt = draw(st.booleans()), draw(st.booleans())
+    lp.top = draw(mostly(st.integers(0, 20), st.integers(*INT32))) if lp.completion or draw(st.booleans()) else 0
+    lp.prompt_top = draw(mostly(st.integers(0, 5), st.integers(*INT32))) if lp.prompt or draw(st.booleans()) else 0
 
 
 # ---------------------------------------------------------------- the oracle
@@ -190,22 +214,65 @@ def _check_fields(msg: pb.GenerateRequest, prompt_len: int) -> int:
         raise Invalid("sampling.top_k")
     if s.HasField("seed") and s.seed >= 2**63:
         raise Invalid("sampling.seed")
+    _check_shaping(s)
     stop = msg.stop
     max_tokens = stop.max_tokens if stop.HasField("max_tokens") else max(1, min(DEFAULT_MAX_TOKENS,
                                                                                   MODEL_LEN - prompt_len))
     if max_tokens <= 0:
         raise Invalid("stop.max_tokens")
+    if not 0 <= stop.min_tokens <= max_tokens:
+        raise Invalid("stop.min_tokens")
     if len(stop.stop) > 16 or any(not 1 <= len(x) <= 256 for x in stop.stop):
         raise Invalid("stop.stop")
     if len(stop.stop_token_ids) > 1024:
         raise Invalid("stop.stop_token_ids")
     if msg.speculation.num_speculative_tokens < 0:
         raise Invalid("speculation.num_speculative_tokens")
+    lp = msg.logprobs
+    for name in ("top", "prompt_top"):
+        if not 0 <= getattr(lp, name) <= 20:
+            raise Invalid(f"logprobs.{name}")
+    if lp.top and not lp.completion:
+        raise Invalid("logprobs.top")
+    if lp.prompt_top and not lp.prompt:
+        raise Invalid("logprobs.prompt_top")
+    if not 1 <= (msg.n or 1) <= 16:
+        raise Invalid("n")
     return max_tokens
+
+
+def _check_shaping(s: pb.SamplingParams) -> None:
+    """The shaping fields in the server's order (the map's size first: it is bounded before it is copied)."""
+    if len(s.logit_bias) > 1024:
+        raise Invalid("sampling.logit_bias")
+    if not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
+        raise Invalid("sampling.min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (math.isfinite(value) and -2 <= value <= 2):
+            raise Invalid(f"sampling.{name}")
+    if s.HasField("repetition_penalty") and not (math.isfinite(s.repetition_penalty)
+                                                 and 0 < s.repetition_penalty <= 10):
+        raise Invalid("sampling.repetition_penalty")
+    if any(not (math.isfinite(b) and -100 <= b <= 100) for b in s.logit_bias.values()):
+        raise Invalid("sampling.logit_bias")
+    if len(s.banned_token_ids) > 1024:
+        raise Invalid("sampling.banned_token_ids")
+
+
+def _check_some_token_left(msg: pb.GenerateRequest, vocab: int, eos: int) -> None:
+    blocked = set(msg.sampling.banned_token_ids)
+    if len(blocked) >= vocab:
+        raise Invalid("sampling.banned_token_ids")
+    if msg.stop.min_tokens:
+        blocked |= set(msg.stop.stop_token_ids) | (set() if msg.stop.ignore_eos else {eos})
+        if len(blocked) >= vocab:
+            raise Invalid("stop.min_tokens")
 
 
 def oracle(msg: pb.GenerateRequest, tokenizer, vocab: int) -> tuple[str | None, int, int]:
     """(the field an INVALID_ARGUMENT must name, or None when valid; prompt tokens; max_tokens)."""
+    eos = tokenizer.eos_token_id
     try:
         prompt = _prompt(msg, tokenizer)
         max_tokens = _check_fields(msg, len(prompt))
@@ -215,6 +282,11 @@ def oracle(msg: pb.GenerateRequest, tokenizer, vocab: int) -> tuple[str | None, 
             raise Invalid("input.token_ids")
         if any(not 0 <= t < vocab for t in msg.stop.stop_token_ids):
             raise Invalid("stop.stop_token_ids")
+        if any(not 0 <= t < vocab for t in msg.sampling.banned_token_ids):
+            raise Invalid("sampling.banned_token_ids")
+        if any(not 0 <= t < vocab for t in msg.sampling.logit_bias):
+            raise Invalid("sampling.logit_bias")
+        _check_some_token_left(msg, vocab, eos)
         if len(prompt) + max_tokens > MODEL_LEN:
             raise Invalid("stop.max_tokens")
     except Invalid as bad:
@@ -245,14 +317,18 @@ def test_fuzzed_requests_get_invalid_argument_naming_the_field_or_complete(targe
             seen[expected] += 1
             return
         assert expected is None, f"expected INVALID_ARGUMENT naming {expected!r}, the request completed\n{msg}"
-        assert responses and all(r.HasField("chunk") for r in responses[:-1]), responses
-        complete = responses[-1].complete
-        assert responses[-1].HasField("complete"), responses[-1]
-        assert complete.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP), complete
-        tokens = [t for r in responses[:-1] for t in r.chunk.token_ids]
-        assert len(tokens) == complete.usage.completion_tokens <= max_tokens
-        assert all(0 <= t < target.vocab_size for t in tokens)
-        assert complete.usage.prompt_tokens == prompt_len
+        n = msg.n or 1
+        assert responses and responses[-1].HasField("complete"), responses[-1]
+        completes = {r.complete.index: r.complete for r in responses if r.HasField("complete")}
+        assert sorted(completes) == list(range(n)), completes
+        for index, complete in completes.items():
+            assert complete.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP), complete
+            tokens = [t for r in responses if r.HasField("chunk") and r.chunk.index == index
+                      for t in r.chunk.token_ids]
+            assert msg.stop.min_tokens <= len(tokens) == complete.usage.completion_tokens <= max_tokens
+            assert all(0 <= t < target.vocab_size for t in tokens)
+            assert not set(tokens) & set(msg.sampling.banned_token_ids)
+            assert complete.usage.prompt_tokens == prompt_len
         assert not msg.request_id or all(r.request_id == msg.request_id for r in responses)
         seen["valid"] += 1
 

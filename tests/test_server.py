@@ -340,6 +340,15 @@ def _token_ids(ids_of):
     return make
 
 
+def _with_logit_bias(bias_of):
+    def make(tokenizer, vocab):
+        msg = request(PROMPTS[5], max_tokens=4)
+        msg.sampling.logit_bias.update(bias_of(vocab))
+        return msg
+
+    return make
+
+
 def _no_input(tokenizer, vocab):
     return request(max_tokens=4)
 
@@ -376,6 +385,28 @@ INVALID = {
     "stop token id >= vocab": (lambda tokenizer, vocab: _with(**{"stop.stop_token_ids": [vocab]})(tokenizer, vocab),
                                "stop.stop_token_ids"),
     "too many stop token ids": (_with(**{"stop.stop_token_ids": [1] * 1025}), "stop.stop_token_ids"),
+    "presence_penalty > 2": (_with(**{"sampling.presence_penalty": 2.5}), "sampling.presence_penalty"),
+    "frequency_penalty < -2": (_with(**{"sampling.frequency_penalty": -3.0}), "sampling.frequency_penalty"),
+    "frequency_penalty inf": (_with(**{"sampling.frequency_penalty": math.inf}), "sampling.frequency_penalty"),
+    "repetition_penalty 0": (_with(**{"sampling.repetition_penalty": 0.0}), "sampling.repetition_penalty"),
+    "min_p > 1": (_with(**{"sampling.min_p": 1.5}), "sampling.min_p"),
+    "logit_bias id >= vocab": (_with_logit_bias(lambda vocab: {vocab: 1.0}), "sampling.logit_bias"),
+    "logit_bias > 100": (_with_logit_bias(lambda vocab: {3: 150.0}), "sampling.logit_bias"),
+    "too many logit_bias entries": (_with_logit_bias(lambda vocab: {i: 1.0 for i in range(2000)}),
+                                    "sampling.logit_bias"),
+    "banned id >= vocab": (lambda tokenizer, vocab: _with(**{"sampling.banned_token_ids": [vocab]})(tokenizer, vocab),
+                           "sampling.banned_token_ids"),
+    "banning every token": (lambda tokenizer, vocab: _with(**{"sampling.banned_token_ids": list(range(vocab))})(
+        tokenizer, vocab), "sampling.banned_token_ids"),
+    "min_tokens > max_tokens": (_with(**{"stop.min_tokens": 5}), "stop.min_tokens"),
+    "min_tokens masking every token left": (lambda tokenizer, vocab: _with(**{
+        "sampling.banned_token_ids": list(range(1, vocab)), "stop.stop_token_ids": [0], "stop.min_tokens": 2})(
+        tokenizer, vocab), "stop.min_tokens"),
+    "n > 16": (_with(n=17), "n"),
+    "n < 0": (_with(n=-1), "n"),
+    "logprobs.top > 20": (_with(**{"logprobs.completion": True, "logprobs.top": 21}), "logprobs.top"),
+    "logprobs.top without completion": (_with(**{"logprobs.top": 2}), "logprobs.top"),
+    "logprobs.prompt_top < 0": (_with(**{"logprobs.prompt": True, "logprobs.prompt_top": -1}), "logprobs.prompt_top"),
 }
 
 
@@ -389,6 +420,55 @@ def test_invalid_request_is_invalid_argument_naming_the_field(stub, tokenizer, c
     assert err.value.details().startswith(field_name), err.value.details()
     _, _, complete = generate(stub, request(PROMPTS[6], max_tokens=2))  # still serving
     assert complete.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_n_sequences_stream_with_their_index_and_logprobs(stub, tokenizer):
+    """n = 3 seeded: three interleaved sequences, each with its Chunks and one Complete carrying its
+    index, a logprob (and the top 4) per token, the prompt's logprobs once (on sequence 0)."""
+    msg = request(PROMPTS[1], max_tokens=6, temperature=1.0, seed=5, presence_penalty=0.5)
+    msg.n = 3
+    msg.logprobs.completion, msg.logprobs.top, msg.logprobs.prompt = True, 4, True
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    completes, prompt_entries = {}, []
+    for response in stub.Generate(msg, timeout=60):
+        if response.HasField("chunk"):
+            chunk = response.chunk
+            assert chunk.index not in completes, "a chunk after its sequence's Complete"
+            assert len(chunk.logprobs) == len(chunk.token_ids)
+            for entry, token in zip(chunk.logprobs, chunk.token_ids):
+                assert entry.chosen.token_id == token and entry.chosen.token == tokenizer.decode([token])
+                assert entry.chosen.logprob <= 0 and entry.chosen.rank >= 1 and len(entry.top) == 4
+                assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+            tokens[chunk.index].extend(chunk.token_ids)
+            if chunk.prompt_logprobs:
+                assert chunk.index == 0 and not prompt_entries
+                prompt_entries = list(chunk.prompt_logprobs)
+        else:
+            completes[response.complete.index] = response.complete
+    prompt = tokenizer.encode(PROMPTS[1])
+    assert [e.chosen.token_id for e in prompt_entries] == prompt
+    assert not prompt_entries[0].chosen.HasField("logprob") and all(e.chosen.HasField("logprob")
+                                                                    for e in prompt_entries[1:])
+    assert sorted(completes) == [0, 1, 2] and all(len(t) == 6 for t in tokens.values())
+    assert all(c.usage.completion_tokens == 6 and c.usage.prompt_tokens == len(prompt) for c in completes.values())
+    for index in range(3):  # each is the single request with seed + index
+        single = request(PROMPTS[1], max_tokens=6, temperature=1.0, seed=5 + index, presence_penalty=0.5)
+        assert generate(stub, single)[0] == tokens[index]
+    wait_pages_free(stub)
+
+
+def test_a_long_prompts_logprobs_come_in_several_chunks(stub):
+    """1,200 prompt positions with 20 alternatives each (~600 KB): three Chunks of at most 512
+    positions, in order, the last carrying the first token."""
+    ids = [(7 * i) % 400 + 3 for i in range(1200)]
+    msg = request(max_tokens=2)
+    msg.token_ids.ids.extend(ids)
+    msg.logprobs.prompt, msg.logprobs.prompt_top = True, 20
+    chunks = [r.chunk for r in stub.Generate(msg, timeout=60) if r.HasField("chunk")]
+    sizes = [len(c.prompt_logprobs) for c in chunks if c.prompt_logprobs]
+    assert sizes == [512, 512, 176] and chunks[2].token_ids and not chunks[0].token_ids
+    assert [e.chosen.token_id for c in chunks for e in c.prompt_logprobs] == ids
+    assert all(len(e.top) == 20 for c in chunks for e in c.prompt_logprobs[1:] if e.chosen.HasField("logprob"))
 
 
 def test_a_tiny_temperature_decodes_greedily(stub):

@@ -34,6 +34,7 @@ from splitspec.gateway.errors import OpenAIError, from_rpc_error
 from splitspec.gateway.memory import HeapTrimmer
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import (
+    TEXT_PLACEHOLDER,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -41,17 +42,16 @@ from splitspec.gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
-    TEXT_PLACEHOLDER,
     ModelList,
     TextChunks,
 )
 from splitspec.gateway.target import TargetClient
 from splitspec.gateway.validation import check_chat, check_completion, param_aliases, validation_error
 from splitspec.v1 import generation_pb2 as pb
-
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -137,11 +137,68 @@ class Plan:
     stream: bool
     include_usage: bool
     aliases: dict[str, str]
+    echo: bool = False  # completions: the prompt before each choice's text
 
     @classmethod
     def of(cls, req: CompletionRequest | ChatCompletionRequest, request: pb.GenerateRequest) -> Plan:
         include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
-        return cls(req.model, request, req.stream, include_usage, param_aliases(req))
+        return cls(req.model, request, req.stream, include_usage, param_aliases(req),
+                   echo=isinstance(req, CompletionRequest) and req.echo)
+
+    def shape(self) -> Shape:
+        request = self.request
+        return Shape(request.n or 1, request.logprobs.completion, self.echo,
+                     request.text if request.WhichOneof("input") == "text" else None)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a response holds besides text: how many choices, logprobs, an echoed prompt."""
+
+    choices: int = 1
+    logprobs: bool = False
+    echo: bool = False
+    prompt_text: str | None = None  # the prompt as sent, when it was text (else its tokens' text is echoed)
+
+    @property
+    def plain(self) -> bool:
+        """One choice of text alone: streamed through the pre-rendered `TextChunks`."""
+        return self.choices == 1 and not self.logprobs and not self.echo
+
+
+@dataclass
+class Choice:
+    """What the target sent for one choice."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
+    complete: pb.Complete | None = None
+
+
+@dataclass
+class Collected:
+    """A whole call: every choice and the prompt's logprobs (with echo)."""
+
+    choices: list[Choice]
+    prompt_logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
+
+    def add(self, chunk: pb.Chunk) -> None:
+        choice = self.choices[chunk.index]
+        choice.text.append(chunk.text)
+        choice.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
+
+    def completes(self) -> list[pb.Complete]:
+        return [c.complete for c in self.choices if c.complete is not None]
+
+
+def merged_complete(completes: list[pb.Complete]) -> pb.Complete | None:
+    """One Complete for a request's metrics: the prompt once, every choice's completion tokens."""
+    if not completes:
+        return None
+    usage = pb.Usage(prompt_tokens=completes[0].usage.prompt_tokens,
+                     completion_tokens=sum(c.usage.completion_tokens for c in completes))
+    return pb.Complete(finish_reason=completes[0].finish_reason, usage=usage)
 
 
 @dataclass
@@ -202,21 +259,26 @@ async def start(gateway: Gateway, endpoint: str, request_id: str, model: str, re
     return Generation(gateway, endpoint, request_id, model, call, arrival, aliases=aliases)
 
 
-async def collect(gen: Generation) -> tuple[str, pb.Complete]:
-    """Read the whole call: its text and Complete (OpenAIError when it fails)."""
-    parts: list[str] = []
+async def collect(gen: Generation, shape: Shape) -> Collected:
+    """Read the whole call: every choice's text, logprobs and Complete (OpenAIError when it fails)."""
+    collected = Collected([Choice() for _ in range(shape.choices)])
     try:
         async for response in gen.call:
             if response.HasField("chunk"):
+                if response.chunk.index >= shape.choices:
+                    raise OpenAIError(502, f"the target sent choice {response.chunk.index} of {shape.choices}",
+                                      "upstream_error")
                 if response.chunk.text:
                     gen.saw_text()
-                    parts.append(response.chunk.text)
-            else:
-                return "".join(parts), response.complete
+                collected.add(response.chunk)
+            elif response.complete.index < shape.choices:
+                collected.choices[response.complete.index].complete = response.complete
     except grpc.aio.AioRpcError as exc:
         gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
         raise from_rpc_error(exc, gen.aliases) from None
-    raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
+    if len(collected.completes()) != shape.choices:
+        raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
+    return collected
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -225,7 +287,7 @@ async def wait_disconnect(request: Request) -> None:
         pass
 
 
-async def collect_unless_disconnected(request: Request, gen: Generation) -> tuple[str, pb.Complete] | None:
+async def collect_unless_disconnected(request: Request, gen: Generation, shape: Shape) -> Collected | None:
     """`collect`, or None as soon as the client disconnects (the call is then cancelled).
     collect's error (an OpenAIError: the target died, a deadline) is raised as itself, not
     wrapped in the task group's ExceptionGroup, which no handler would map."""
@@ -237,7 +299,7 @@ async def collect_unless_disconnected(request: Request, gen: Generation) -> tupl
 
         group.start_soon(watch)
         try:
-            result = await collect(gen)
+            result = await collect(gen, shape)
         except Exception as exc:  # noqa: BLE001 (re-raised below, outside the group)
             failure = exc
         finally:
@@ -247,15 +309,15 @@ async def collect_unless_disconnected(request: Request, gen: Generation) -> tupl
     return result
 
 
-async def respond_whole(request: Request, gen: Generation, build) -> Response:
+async def respond_whole(request: Request, gen: Generation, shape: Shape, build) -> Response:
     complete = None
     try:
-        result = await collect_unless_disconnected(request, gen)
+        result = await collect_unless_disconnected(request, gen, shape)
         if result is None:
             gen.gateway.metrics.disconnects.labels(gen.endpoint).inc()
             return Response(status_code=499)  # nobody is listening; uvicorn drops it
-        text, complete = result
-        body = build(gen, text, complete)
+        complete = merged_complete(result.completes())
+        body = build(gen, shape, result)
         return Response(body.model_dump_json(), media_type="application/json",
                         headers={"x-request-id": gen.request_id})
     finally:
@@ -284,22 +346,29 @@ def respond_stream(gen: Generation, events: AsyncIterator[str]) -> EventSourceRe
     return GenerationStream(gen, events)
 
 
-async def stream_events(gen: Generation, chunk, final, include_usage: bool) -> AsyncIterator[str]:
-    """SSE data: one event per chunk of text, the finish, the usage if asked, then [DONE].
-    Closing this generator early (the client went away) cancels the call."""
-    complete, failed = None, False
+async def stream_events(gen: Generation, shape: Shape, chunk_events, finish_event, usage_event,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """SSE data: the events of each chunk, each choice's finish as it comes, the usage if asked,
+    then [DONE]. Closing this generator early (the client went away) cancels the call."""
+    completes: list[pb.Complete] = []
+    failed = False
     try:
         async for response in gen.call:
             if response.HasField("chunk"):
+                if response.chunk.index >= shape.choices:
+                    raise OpenAIError(502, f"the target sent choice {response.chunk.index} of {shape.choices}",
+                                      "upstream_error")
                 if response.chunk.text:
                     gen.saw_text()
-                    yield chunk(response.chunk.text)
+                for event in chunk_events(response.chunk):
+                    yield event
             else:
-                complete = response.complete
-        if complete is None:
+                completes.append(response.complete)
+                yield finish_event(response.complete)
+        if len(completes) != shape.choices:
             raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
-        for event in final(complete, include_usage):
-            yield event
+        if include_usage:
+            yield usage_event(convert.usage(*(c.usage for c in completes)))
         yield "[DONE]"
     except grpc.aio.AioRpcError as exc:
         failed = True
@@ -309,9 +378,10 @@ async def stream_events(gen: Generation, chunk, final, include_usage: bool) -> A
         failed = True
         yield _error_event(exc)
     finally:
-        if complete is None and not failed:  # closed or cancelled early: the client went away
+        finished = len(completes) == shape.choices
+        if not finished and not failed:  # closed or cancelled early: the client went away
             gen.gateway.metrics.disconnects.labels(gen.endpoint).inc()
-        gen.done(complete)
+        gen.done(merged_complete(completes) if finished else None)
 
 
 def _error_event(exc: OpenAIError) -> str:
@@ -321,53 +391,116 @@ def _error_event(exc: OpenAIError) -> str:
 # ---------------------------------------------------------------- the two endpoints
 
 
-def completion_body(gen: Generation, text: str, complete: pb.Complete) -> CompletionResponse:
-    return CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
-                              choices=[CompletionChoice(text=text, finish_reason=convert.finish_reason(complete))],
-                              usage=convert.usage(complete.usage))
+def echoed_prompt(shape: Shape, prompt_logprobs: list[pb.PositionLogprobs]) -> str:
+    if not shape.echo:
+        return ""
+    return shape.prompt_text if shape.prompt_text is not None else "".join(e.chosen.token for e in prompt_logprobs)
 
 
-def chat_body(gen: Generation, text: str, complete: pb.Complete) -> ChatCompletionResponse:
-    return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
-                                  choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                      finish_reason=convert.finish_reason(complete))],
-                                  usage=convert.usage(complete.usage))
+def completion_choice_logprobs(shape: Shape, choice: Choice,
+                               prompt_logprobs: list[pb.PositionLogprobs]) -> CompletionLogprobs | None:
+    if not shape.logprobs:
+        return None
+    return convert.completion_logprobs((prompt_logprobs if shape.echo else []) + choice.logprobs)
 
 
-def completion_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
-    def event(text: str | None, finish: str | None = None, usage=None, choices: bool = True) -> str:
-        listed = [CompletionChoice(text=text or "", finish_reason=finish)] if choices else []
-        return CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model, choices=listed,
+def completion_body(gen: Generation, shape: Shape, result: Collected) -> CompletionResponse:
+    prompt = echoed_prompt(shape, result.prompt_logprobs)
+    choices = [CompletionChoice(index=i, text=prompt + "".join(c.text),
+                                logprobs=completion_choice_logprobs(shape, c, result.prompt_logprobs),
+                                finish_reason=convert.finish_reason(c.complete))
+               for i, c in enumerate(result.choices)]
+    return CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model, choices=choices,
+                              usage=convert.usage(*(c.usage for c in result.completes())))
+
+
+def chat_body(gen: Generation, shape: Shape, result: Collected) -> ChatCompletionResponse:
+    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
+                          logprobs=convert.chat_logprobs(c.logprobs) if shape.logprobs else None,
+                          finish_reason=convert.finish_reason(c.complete))
+               for i, c in enumerate(result.choices)]
+    return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=gen.model, choices=choices,
+                                  usage=convert.usage(*(c.usage for c in result.completes())))
+
+
+def completion_events(gen: Generation, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    def event(choices: list[CompletionChoice], usage=None) -> str:
+        return CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model, choices=choices,
                                   usage=usage).model_dump_json()
 
-    def final(complete: pb.Complete, with_usage: bool) -> list[str]:
-        events = [event("", convert.finish_reason(complete))]
-        if with_usage:
-            events.append(event(None, usage=convert.usage(complete.usage), choices=False))
+    plain = TextChunks(CompletionResponse(
+        id=gen.request_id, created=gen.created, model=gen.model,
+        choices=[CompletionChoice(text=TEXT_PLACEHOLDER, finish_reason=None)])) if shape.plain else None
+    offsets = [0] * shape.choices  # text offsets of each choice's next logprob
+    prompt_logprobs: list[pb.PositionLogprobs] = []  # gathered over the first chunks, for the echo
+    echo_pending = [shape.echo]
+
+    def chunk_events(chunk: pb.Chunk) -> list[str]:
+        if plain is not None:
+            return [plain(chunk.text)] if chunk.text else []
+        prompt_logprobs.extend(chunk.prompt_logprobs)
+        if not (chunk.text or chunk.logprobs):
+            return []
+        events = echo_events() if echo_pending[0] else []
+        logprobs = None
+        if shape.logprobs:
+            logprobs = convert.completion_logprobs(list(chunk.logprobs), offsets[chunk.index])
+            offsets[chunk.index] += sum(len(e.chosen.token) for e in chunk.logprobs)
+        events.append(event([CompletionChoice(index=chunk.index, text=chunk.text, logprobs=logprobs,
+                                              finish_reason=None)]))
         return events
 
-    return stream_events(gen, TextChunks(CompletionResponse(
-        id=gen.request_id, created=gen.created, model=gen.model,
-        choices=[CompletionChoice(text=TEXT_PLACEHOLDER, finish_reason=None)])), final, include_usage)
+    def echo_events() -> list[str]:
+        """The echoed prompt, once per choice, before the first text (the prompt's logprobs come
+        first, possibly over several chunks)."""
+        echo_pending[0] = False
+        text = echoed_prompt(shape, prompt_logprobs)
+        logprobs = convert.completion_logprobs(prompt_logprobs) if shape.logprobs else None
+        for i in range(shape.choices):
+            offsets[i] = len(text) if logprobs is None else sum(len(e.chosen.token) for e in prompt_logprobs)
+        return [event([CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=None)])
+                for i in range(shape.choices)]
+
+    def finish_event(complete: pb.Complete) -> str:
+        return event([CompletionChoice(index=complete.index, text="", finish_reason=convert.finish_reason(complete))])
+
+    def usage_event(usage) -> str:
+        return event([], usage)
+
+    return stream_events(gen, shape, chunk_events, finish_event, usage_event, include_usage)
 
 
-def chat_events(gen: Generation, include_usage: bool) -> AsyncIterator[str]:
-    def event(delta: dict[str, str] | None, finish: str | None = None, usage=None) -> str:
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
+def chat_events(gen: Generation, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    def event(delta: dict[str, str] | None, finish: str | None = None, usage=None, index: int = 0,
+              logprobs=None) -> str:
+        choices = [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)] \
+            if delta is not None else []
         return ChatCompletionChunk(id=gen.request_id, created=gen.created, model=gen.model, choices=choices,
                                    usage=usage).model_dump_json()
 
-    def final(complete: pb.Complete, with_usage: bool) -> list[str]:
-        events = [event({}, convert.finish_reason(complete))]
-        if with_usage:
-            events.append(event(None, usage=convert.usage(complete.usage)))
-        return events
+    plain = TextChunks(ChatCompletionChunk(id=gen.request_id, created=gen.created, model=gen.model,
+                                           choices=[ChatChunkChoice(delta={"content": TEXT_PLACEHOLDER})])) \
+        if shape.plain else None
+
+    def chunk_events(chunk: pb.Chunk) -> list[str]:
+        if plain is not None:
+            return [plain(chunk.text)] if chunk.text else []
+        if not (chunk.text or chunk.logprobs):
+            return []
+        logprobs = convert.chat_logprobs(list(chunk.logprobs)) if shape.logprobs else None
+        return [event({"content": chunk.text}, index=chunk.index, logprobs=logprobs)]
+
+    def finish_event(complete: pb.Complete) -> str:
+        return event({}, convert.finish_reason(complete), index=complete.index)
+
+    def usage_event(usage) -> str:
+        return event(None, usage=usage)
 
     async def with_role() -> AsyncIterator[str]:
-        yield event({"role": "assistant", "content": ""})
-        text = TextChunks(ChatCompletionChunk(id=gen.request_id, created=gen.created, model=gen.model,
-                                              choices=[ChatChunkChoice(delta={"content": TEXT_PLACEHOLDER})]))
-        async with contextlib.aclosing(stream_events(gen, text, final, include_usage)) as events:
+        for index in range(shape.choices):
+            yield event({"role": "assistant", "content": ""}, index=index)
+        async with contextlib.aclosing(stream_events(gen, shape, chunk_events, finish_event, usage_event,
+                                                     include_usage)) as events:
             async for data in events:
                 yield data
 
@@ -462,8 +595,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gen = await start(gateway, COMPLETIONS, request_id, await check_model(gateway, plan.model), plan.request,
                           arrival, plan.aliases)
         if plan.stream:
-            return respond_stream(gen, completion_events(gen, plan.include_usage))
-        return await respond_whole(request, gen, completion_body)
+            return respond_stream(gen, completion_events(gen, plan.shape(), plan.include_usage))
+        return await respond_whole(request, gen, plan.shape(), completion_body)
 
     @app.post(CHAT)
     async def chat_completions(request: Request) -> Response:
@@ -477,8 +610,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gen = await start(gateway, CHAT, request_id, await check_model(gateway, plan.model), plan.request, arrival,
                           plan.aliases)
         if plan.stream:
-            return respond_stream(gen, chat_events(gen, plan.include_usage))
-        return await respond_whole(request, gen, chat_body)
+            return respond_stream(gen, chat_events(gen, plan.shape(), plan.include_usage))
+        return await respond_whole(request, gen, plan.shape(), chat_body)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -3,15 +3,14 @@
 Request models are strict (no string-to-number, bool-to-number or number-to-string
 coercion: `"0"` is not a temperature) and forbid unknown fields: a parameter the gateway
 does not know is a 400 naming it, never silently ignored. Known OpenAI parameters that
-splitspec cannot honour (`n > 1`, `logprobs`, tools, penalties, a lark grammar, ...) are accepted by the
-schema and refused by `validation.check_*` with a 400 that says so. Types and the ranges
+splitspec cannot honour (`suffix`, tools, a lark grammar, ...) are accepted by the schema and
+refused by `validation.check_*` with a 400 that says so. Types and the ranges
 protobuf can hold are checked here, the rest in `validation`.
 """
 
 from __future__ import annotations
 
 import json
-
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -94,14 +93,16 @@ class SamplingRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=1024)  # accepted, used for nothing
-    # OpenAI parameters splitspec does not support: refused with a 400 when set
     n: Int32 | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
-    logit_bias: dict[str, Float] | None = None
-    top_logprobs: Int32 | None = None
+    logit_bias: Annotated[dict[str, Float], Field(max_length=MAX_LIST_ITEMS)] | None = None  # token id (a string) → bias
     # splitspec's extra fields (vLLM's names where vLLM has them)
     top_k: Int32 | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int32 | None = None
+    banned_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST_ITEMS)] | None = None
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST_ITEMS)] | None = None
     speculation: SpeculationOptions | None = None
@@ -118,8 +119,8 @@ class SamplingRequest(Strict):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | list[str] | list[list[TokenId]]
-    logprobs: Int32 | None = None
-    echo: bool = False
+    logprobs: Int32 | None = None  # the chosen token's logprob and this many alternatives per token
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
     suffix: str | None = None
     best_of: Int32 | None = None
     # splitspec's extra field: special-token strings in a text prompt become special tokens
@@ -164,6 +165,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_LIST_ITEMS)]
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
+    top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     parallel_tool_calls: bool | None = None
@@ -215,10 +217,19 @@ class Usage(BaseModel):
     speculation: SpeculationUsage  # splitspec's addition: the drafter's work for this request
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: one entry per token (an echoed prompt's first has no logprob)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -236,10 +247,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -255,7 +280,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": text}, {} at the end
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -7,7 +7,7 @@
   (not as 0.0). The target checks every field again; its refusals name the OpenAI
   parameter the client used (`max_completion_tokens`, not `max_tokens`).
 - A value that is wrong (`n: 0`) is `invalid_request_error`; a value that is valid OpenAI
-  but that splitspec does not do (`n: 2`, tools, logprobs) is `unsupported_parameter`.
+  but that splitspec does not do (`suffix`, tools, `best_of` other than n) is `unsupported_parameter`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from typing import Any
 import pydantic
 
 from splitspec.gateway.errors import OpenAIError, invalid, unsupported
-from splitspec.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest, TextPart
+from splitspec.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingRequest,
+    TextPart,
+)
 
 FLOAT32_MAX = 3.4028234663852886e38
 SENT_CHARS = 80  # how much of a value as sent an error message quotes
@@ -105,6 +111,14 @@ def check_sampling_values(req: SamplingRequest) -> OpenAIError | None:
         value = getattr(req, name)
         if value is not None and not -2 <= value <= 2:
             return invalid_value(name, f"must be in [-2, 2], got {sent(value)}")
+    return check_logit_bias_keys(req.logit_bias or {})
+
+
+def check_logit_bias_keys(bias: dict[str, float]) -> OpenAIError | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= 2**31 - 1):
+            return invalid_value("logit_bias", f"keys must be token ids, got {sent(key)}")
     return None
 
 
@@ -112,16 +126,6 @@ def check_sampling_values(req: SamplingRequest) -> OpenAIError | None:
 
 
 def _unsupported_common(req: SamplingRequest) -> OpenAIError | None:
-    if req.n is not None and req.n != 1:
-        return unsupported("n", f"n: {req.n} choices per request are not supported (only 1): send one request "
-                                "per choice")
-    if req.presence_penalty or req.frequency_penalty:
-        param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-        return unsupported(param, f"{param} is not supported (only 0)")
-    if req.logit_bias:
-        return unsupported("logit_bias", "logit_bias is not supported")
-    if req.top_logprobs is not None:
-        return unsupported("top_logprobs", "logprobs are not supported")
     if req.stream_options is not None and not req.stream:
         return unsupported("stream_options", "stream_options is only allowed with stream=true")
     return None
@@ -172,14 +176,11 @@ def check_completion(req: CompletionRequest) -> OpenAIError | None:
     """The first problem of a completion request the schema let through, or None."""
     if (found := check_common(req)) is not None:
         return found
-    if req.logprobs is not None:
-        return unsupported("logprobs", "logprobs are not supported")
-    if req.echo:
-        return unsupported("echo", "echo is not supported")
     if req.suffix is not None:
         return unsupported("suffix", "suffix is not supported")
-    if req.best_of is not None and req.best_of != 1:
-        return unsupported("best_of", f"best_of: {req.best_of} is not supported (only 1)")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        return unsupported("best_of", f"best_of: {req.best_of} is not supported (only best_of = n, which returns "
+                                      "every choice)")
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)):
         if len(req.prompt) != 1:
             return unsupported("prompt", "a batch of several prompts is not supported: send one prompt per request")
@@ -197,8 +198,8 @@ def check_chat(req: ChatCompletionRequest) -> OpenAIError | None:
     """The first problem of a chat request the schema let through, or None."""
     if (found := check_common(req)) is not None:
         return found
-    if req.logprobs:
-        return unsupported("logprobs", "logprobs are not supported")
+    if req.top_logprobs is not None and not req.logprobs:
+        return invalid("top_logprobs", "top_logprobs: needs logprobs: true")
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if getattr(req, name) not in (None, [], "none"):
             return unsupported(name, f"{name}: tool and function calling is not supported")
@@ -227,7 +228,7 @@ def param_aliases(req: SamplingRequest) -> dict[str, str]:
     aliases = _structured_output_aliases(req)
     if not isinstance(req, ChatCompletionRequest):
         return aliases
-    aliases["prompt"] = "messages"
+    aliases |= {"prompt": "messages", "logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     return aliases

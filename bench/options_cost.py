@@ -1,0 +1,78 @@
+"""What output options cost: tokens/s of the demo pair with logprobs (top 5) and with logit
+shaping (repetition and frequency penalties) against plain decoding, speculation on (DFlash, in
+this process) and off, on the same held-out prompts, rows interleaved and each the median of
+`--repeat` runs. Usage:
+  .venv/bin/python bench/options_cost.py [--models demo] [--prompts 4] [--new-tokens 64] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.compare import in_process_engine, load_held_out  # noqa: E402
+from target_service.api_types import (  # noqa: E402
+    EngineRequest,
+    LogprobParams,
+    SamplingParams,
+    SpeculationParams,
+    StopParams,
+)
+from target_service.engine_core import EngineCore  # noqa: E402
+
+OPTIONS: dict[str, Callable[[], dict]] = {
+    "plain": lambda: {},
+    "logprobs (top 5)": lambda: {"logprobs": LogprobParams(completion=True, top=5)},
+    "penalties": lambda: {"sampling": SamplingParams(repetition_penalty=1.1, frequency_penalty=0.3)},
+}
+
+
+def run(core: EngineCore, prompts: list[list[int]], new_tokens: int, speculate: bool, options: dict) -> float:
+    """Tokens/s over the prompts one at a time (concurrency 1)."""
+    tokens, start = 0, time.perf_counter()
+    for i, ids in enumerate(prompts):
+        rid = f"r{i}-{time.monotonic_ns()}"
+        core.add(EngineRequest(rid, tuple(ids), stop=StopParams(max_tokens=new_tokens, ignore_eos=True),
+                               speculation=SpeculationParams(disable=not speculate), **options))
+        while core.in_flight(rid):
+            tokens += sum(len(out.token_ids) for out in core.step())
+    return tokens / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=Path, default=REPO / "demo")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    _, prompts = load_held_out(args.models, args.prompts)
+    with tempfile.TemporaryDirectory(prefix="splitspec-options-") as shm:
+        core = in_process_engine(args.models, shm, 8, kind="dflash")
+        try:
+            rows = [(name, speculate) for speculate in (True, False) for name in OPTIONS]
+            run(core, prompts[:1], 8, True, {})  # warm
+            rates: dict[tuple[str, bool], list[float]] = {row: [] for row in rows}
+            for _ in range(args.repeat):
+                for name, speculate in rows:
+                    rates[(name, speculate)].append(run(core, prompts, args.new_tokens, speculate, OPTIONS[name]()))
+        finally:
+            core.close()
+    print("| speculation | options | tokens/s | vs plain |")
+    print("|---|---|---|---|")
+    for name, speculate in rows:
+        rate, base = statistics.median(rates[(name, speculate)]), statistics.median(rates[("plain", speculate)])
+        print(f"| {'on (dflash)' if speculate else 'off'} | {name} | {rate:.1f} | {rate / base:.2f}× |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
