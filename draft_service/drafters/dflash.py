@@ -144,11 +144,11 @@ class DFlashDrafter(PooledDrafter):
         return drafts
 
     def compile_ahead(self) -> None:
-        """With the compiled forward: the buckets of one sequence's step (a block; up to a block of
-        new context rows). Larger ones compile in the background when first needed."""
+        """With the compiled forward: every bucket, blocks and context rows. None is left to compile
+        in the background when first needed: a compile thread would take the cores from the target."""
         if self.model.compiled_block is not None:
-            block = self.model.num_speculative_tokens + 1
-            self.model.prepare_compiled([block], [block])
+            buckets = self.model.compiled_block.buckets()
+            self.model.prepare_compiled(buckets, buckets)
 
     def _block_for(self, seq: DraftSequence, k: int) -> int:
         """The masks of the block that drafts `k` tokens: as many as the model was trained with
