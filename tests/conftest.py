@@ -45,6 +45,14 @@ def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
+def spec_models(tmp_path_factory):
+    """tiny_models.SpecModels: a target, its copy as draft LM, a reference DFlash drafter."""
+    from tests.tiny_models import make_spec_models
+
+    return make_spec_models(tmp_path_factory.mktemp("spec-models"))
+
+
+@pytest.fixture(scope="module")
 def draft_lm(checkpoint_pair) -> Path:
     return checkpoint_pair[1]
 

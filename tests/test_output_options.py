@@ -12,9 +12,7 @@ and without, at concurrency 1 and 8, against independent references:
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,7 +31,7 @@ from target_service.engine import build_engine_core
 from tests.procs import TOKEN, Service
 from tests.shaping_reference import hf_processors
 from tests.stats import CHI2_CRIT, two_sample_chi_square
-from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash
+from tests.tiny_models import PROMPTS, SpecModels
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
@@ -43,25 +41,10 @@ PROMPT_TOP = 3
 DRAFTERS = ("none", "ngram", "draft_model", "dflash")
 
 
-@dataclass
-class Models:
-    target: Path
-    draft_lm: Path
-    dflash: Path
-    eos: int
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Models:
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("options-models")
-    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
-    draft_lm = root / "draft-lm"  # the target itself: its drafts are the raw argmax, which shaping may reject
-    shutil.copytree(target, draft_lm)
-    tok = AutoTokenizer.from_pretrained(target)
-    dflash = make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
-    return Models(target, draft_lm, dflash, tok.eos_token_id)
+def models(spec_models):
+    """The draft LM is a copy of the target; DFlash is the reference package's (tests/tiny_models.py)."""
+    return spec_models
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +55,7 @@ def hf(models):
     return model, AutoTokenizer.from_pretrained(models.target)
 
 
-def drafter_args(kind: str, models: Models, shm_dir: Path) -> list[str]:
+def drafter_args(kind: str, models: SpecModels, shm_dir: Path) -> list[str]:
     model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm), "--dtype", "float32"],
              "dflash": ["--model", str(models.dflash)]}
     return ["--kind", kind, *model[kind], "--target-model", str(models.target), "--port", "0",
@@ -159,8 +142,8 @@ def greedy_references(models, hf):
     refs = []
     for i, text in enumerate(PROMPTS[:8]):
         prompt = tok.encode(text)
-        sampling, stop = shaping(i, models.eos)
-        refs.append((prompt, sampling, stop, hf_greedy_shaped(hf, prompt, sampling, stop, models.eos)))
+        sampling, stop = shaping(i, tok.eos_token_id)
+        refs.append((prompt, sampling, stop, hf_greedy_shaped(hf, prompt, sampling, stop, tok.eos_token_id)))
     return refs
 
 

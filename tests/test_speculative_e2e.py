@@ -7,14 +7,13 @@ target-only server with the same KV dtype, for 20 prompts at concurrency 1, 4 an
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from tests.procs import Service, stream_tokens
-from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_pair, make_reference_dflash
+from tests.tiny_models import PROMPTS, SpecModels
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
@@ -22,23 +21,10 @@ KINDS = ("ngram", "draft_model", "dflash", "dflash-compiled")  # the last: DFlas
 KV_DTYPES = ("float32", "fp8_e4m3")
 
 
-@dataclass
-class Models:
-    target: Path
-    draft_lm: Path
-    dflash: Path
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Models:
-    root = tmp_path_factory.mktemp("spec-models")
-    # the draft LM is a copy of the target: every draft is accepted, exercising the bonus path
-    target, draft_lm = make_pair(root, num_hidden_layers=TARGET_LAYERS)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target)
-    dflash = make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
-    return Models(target, draft_lm, dflash)
+def models(spec_models):
+    """The draft LM is a copy of the target; DFlash is the reference package's (tests/tiny_models.py)."""
+    return spec_models
 
 
 def target_args(model: Path, shm_dir: Path, kv_dtype: str, *extra: str) -> list[str]:
@@ -52,7 +38,7 @@ def speculating_target_args(model: Path, shm_dir: Path, kv_dtype: str, drafter: 
     return target_args(model, shm_dir, kv_dtype, "--drafter", drafter, "--speculative-policy", "fixed")
 
 
-def drafter_args(kind: str, models: Models, shm_dir: Path) -> list[str]:
+def drafter_args(kind: str, models: SpecModels, shm_dir: Path) -> list[str]:
     # The draft LM is the target itself, computing in the target's float32 (`auto` would take
     # bfloat16 on a CPU that has it): then every draft is accepted, which checks the bonus path.
     model = {"ngram": [], "draft_model": ["--model", str(models.draft_lm), "--dtype", "float32"],

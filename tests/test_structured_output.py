@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -22,7 +20,7 @@ from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service.api_types import InvalidRequestError, StructuredOutputKind, StructuredOutputParams
 from target_service.structured_output import GrammarCompiler, GrammarLimits, constrain_rows
 from tests.procs import Service, private_shm_dir, stream_tokens, wait_idle
-from tests.tiny_models import PROMPTS, TARGET_LAYERS, make_qwen3, make_reference_dflash, make_tokenizer
+from tests.tiny_models import PROMPTS, make_tokenizer
 
 KIND = StructuredOutputKind
 
@@ -264,26 +262,10 @@ def check_valid(tokenizer, results) -> None:
             assert text in CHOICES, text
 
 
-@dataclass
-class Models:
-    target: Path
-    draft_lm: Path
-    dflash: Path
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Models:
-    """As the lossless test's (test_speculative_e2e.py): the draft LM is a copy of the target, whose
-    unconstrained drafts the grammar often forbids; DFlash is the reference package's."""
-    root = tmp_path_factory.mktemp("so-models")
-    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
-    draft_lm = root / "draft-lm"
-    shutil.copytree(target, draft_lm)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target)
-    return Models(target, draft_lm, make_reference_dflash(root / "dflash", vocab_size=len(tok),
-                                                          mask_token_id=tok.mask_token_id))
+def models(spec_models):
+    """The draft LM is a copy of the target; DFlash is the reference package's (tests/tiny_models.py)."""
+    return spec_models
 
 
 def target_args(model: Path, shm_dir: Path, *extra: str) -> list[str]:

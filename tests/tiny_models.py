@@ -4,6 +4,7 @@ benchmarks use too) and a reference DFlash drafter saved by z-lab's own package.
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,14 +27,28 @@ def make_pair(root: Path, draft_name: str = "draft", **target_config) -> tuple[P
     return target, draft
 
 
-def make_bench_models(root: Path) -> Path:
-    """The benchmarks' models folder (target/, draft_model/, dflash/) in tiny: the pair, and a
-    reference DFlash drafter reading the target's layers."""
+@dataclass(frozen=True)
+class SpecModels:
+    """A tiny target, a copy of it as its draft LM (every draft accepted) and a reference DFlash
+    drafter reading the target's layers: one checkpoint of each kind the drafters load."""
+
+    target: Path
+    draft_lm: Path
+    dflash: Path
+
+
+def make_spec_models(root: Path, draft_name: str = "draft-lm") -> SpecModels:
     from transformers import AutoTokenizer
 
-    target, _ = make_pair(root, draft_name="draft_model", num_hidden_layers=TARGET_LAYERS)
+    target, draft_lm = make_pair(root, draft_name=draft_name, num_hidden_layers=TARGET_LAYERS)
     tok = AutoTokenizer.from_pretrained(target)
-    make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    dflash = make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+    return SpecModels(target, draft_lm, dflash)
+
+
+def make_bench_models(root: Path) -> Path:
+    """The benchmarks' models folder (target/, draft_model/, dflash/) in tiny."""
+    make_spec_models(root, draft_name="draft_model")
     return root
 
 
