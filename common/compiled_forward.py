@@ -309,9 +309,14 @@ class CompiledForward(BucketCompiler):
     segments, and dynamo's guards on their two dozen weight arguments cost ~20 µs a call,
     where the compiled graph's own wrapper costs ~5."""
 
-    def __init__(self, stack: DecoderStack, config: CompileConfig, name: str = "compiled forward") -> None:
+    def __init__(self, stack: DecoderStack, config: CompileConfig, name: str = "compiled forward",
+                 frozen_weights: bool = False) -> None:
+        """`frozen_weights`: compile each layer's segment with its weights as constants, which lets
+        Inductor pack them for oneDNN (bfloat16 products on a CPU take half the time packed), at the
+        price of a graph per layer and a packed copy of the weights per bucket; else one `middle`
+        graph takes every layer's weights as arguments."""
         super().__init__(config, name)
-        self.stack = stack
+        self.stack, self.frozen_weights = stack, frozen_weights
         args = stack.args
         shapes = Shapes(args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size, args.rms_norm_eps)
         self._segments = Segments(shapes, stack.rotary.attention_scaling, stack.embed_scale)
@@ -342,21 +347,22 @@ class CompiledForward(BucketCompiler):
         if bucket != tokens:  # pad rows: token 0 at position 0, cut off before anything reads them
             input_ids = F.pad(input_ids, (0, bucket - tokens))
             positions = F.pad(positions, (0, bucket - tokens))
-        first, middle, last = self._compiled[bucket]
-        return self._run(first, middle, last, tokens, input_ids, positions, kv_caches, backend, wanted)
+        first, middles, last = self._compiled[bucket]
+        return self._run(first, middles, last, tokens, input_ids, positions, kv_caches, backend, wanted)
 
-    def _run(self, first, middle, last, tokens, input_ids, positions, kv_caches, backend, wanted):
-        stack, flat = self.stack, self._flat
-        x, cos, sin, q, k, v = first(input_ids, positions, stack.embed, stack.rotary.inv_freq, *flat[0])
+    def _run(self, first, middles, last, tokens, input_ids, positions, kv_caches, backend, wanted):
+        """first(ids, positions), middles[i](x, attended, cos, sin) after layer i's attention, last(x, attended)."""
+        stack = self.stack
+        x, cos, sin, q, k, v = first(input_ids, positions)
         captured: dict[int, torch.Tensor] = {}
-        count = len(flat)
+        count = len(self._flat)
         for i in range(count):
             attended = self._attend(q, k, v, tokens, kv_caches[i], backend, stack.layer_spec(backend, i))
             if i + 1 < count:
-                x, q, k, v = middle(x, attended, cos, sin, *flat[i], *flat[i + 1])
+                x, q, k, v = middles[i](x, attended, cos, sin)
                 if i in wanted:
                     captured[i] = x[:tokens]
-        (hidden,) = last(x, attended, *flat[-1], stack.final_norm)
+        (hidden,) = last(x, attended)
         hidden = hidden[:tokens]
         if count - 1 in wanted:
             captured[count - 1] = hidden
@@ -376,6 +382,19 @@ class CompiledForward(BucketCompiler):
         cos, sin = (hidden.new_zeros(bucket, args.head_dim) for _ in range(2))  # distinct: the compiler
         # treats one tensor passed twice as one input, and the graph would read cos for sin
 
+        flat, layers, embed, inv_freq, norm = self._flat, self._layers, stack.embed, stack.rotary.inv_freq, stack.final_norm
+        if self.frozen_weights:  # weights as constants: one graph per layer boundary
+            def frozen_middle(i: int):
+                return _compile_graph(lambda x, att, c, s: segments.middle(x, att, c, s, layers[i], layers[i + 1]),
+                                      [hidden, attended, cos, sin], freeze=True)
+
+            return (
+                _compile_graph(lambda ids, pos: segments.first(ids, pos, embed, inv_freq, layers[0]),
+                               [input_ids, positions], freeze=True),
+                [frozen_middle(i) for i in range(len(layers) - 1)],
+                _compile_graph(lambda x, att: (segments.last(x, att, layers[-1], norm),), [hidden, attended],
+                               freeze=True))
+
         def first(ids, pos, embed, inv_freq, *w):
             return segments.first(ids, pos, embed, inv_freq, weights(w))
 
@@ -385,11 +404,13 @@ class CompiledForward(BucketCompiler):
         def last(x, att, *w):
             return (segments.last(x, att, weights(w[:n]), w[n]),)
 
+        first_graph = _compile_graph(first, [input_ids, positions, embed, inv_freq, *flat[0]])
+        middle_graph = _compile_graph(middle, [hidden, attended, cos, sin, *flat[0], *flat[1]]) if len(flat) > 1 else None
+        last_graph = _compile_graph(last, [hidden, attended, *flat[-1], norm])
         return (
-            _compile_graph(first, [input_ids, positions, stack.embed, stack.rotary.inv_freq, *self._flat[0]]),
-            _compile_graph(middle, [hidden, attended, cos, sin, *self._flat[0], *self._flat[1]])
-            if len(self._flat) > 1 else None,
-            _compile_graph(last, [hidden, attended, *self._flat[-1], stack.final_norm]))
+            lambda ids, pos: first_graph(ids, pos, embed, inv_freq, *flat[0]),
+            [lambda x, att, c, s, i=i: middle_graph(x, att, c, s, *flat[i], *flat[i + 1]) for i in range(len(flat) - 1)],
+            lambda x, att: last_graph(x, att, *flat[-1], norm))
 
     def _attend(self, q, k, v, tokens: int, kv_cache, backend: AttentionBackend, spec) -> torch.Tensor:
         """The paged attention of the real rows (writing their K/V), zeros for the padding."""
@@ -405,9 +426,9 @@ class CompiledRows(BucketCompiler):
     are zeros and cut off the outputs."""
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], weights: Sequence[torch.Tensor],
-                 config: CompileConfig, name: str) -> None:
+                 config: CompileConfig, name: str, frozen_weights: bool = False) -> None:
         super().__init__(config, name)
-        self.fn, self.weights = fn, list(weights)
+        self.fn, self.weights, self.frozen_weights = fn, list(weights), frozen_weights
         self._examples: list[torch.Tensor] | None = None  # one row of each row input, set by the first call
 
     def __call__(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -422,7 +443,7 @@ class CompiledRows(BucketCompiler):
             return self.fn(*rows, *self.weights)
         padded = [row if bucket == count else F.pad(row, (*(0, 0) * (row.dim() - 1), 0, bucket - count))
                   for row in rows]
-        return tuple(out[:count] for out in self._compiled[bucket][0](*padded, *self.weights))
+        return tuple(out[:count] for out in self._compiled[bucket][0](*padded))
 
     def _like_examples(self, rows: Sequence[torch.Tensor]) -> bool:
         """Whether the compiled graphs take these rows (dtype, device and row shape as traced)."""
@@ -438,14 +459,21 @@ class CompiledRows(BucketCompiler):
         if self._examples is None:
             raise RuntimeError(f"{self.name}: no example rows yet (prepare_like, or one eager call first)")
         example = [row.new_zeros(bucket, *row.shape[1:]) for row in self._examples]
-        return (_compile_graph(self.fn, [*example, *self.weights]),)
+        fn, weights = self.fn, self.weights
+        if self.frozen_weights:
+            return (_compile_graph(lambda *rows: fn(*rows, *weights), example, freeze=True),)
+        graph = _compile_graph(fn, [*example, *weights])
+        return (lambda *rows: graph(*rows, *weights),)
 
 
-def _compile_graph(fn, example: list[torch.Tensor]):
-    """`fn(*tensors)`, traced to aten ops on `example` and compiled by Inductor for those shapes."""
+def _compile_graph(fn, example: list[torch.Tensor], freeze: bool = False):
+    """`fn(*tensors)`, traced to aten ops on `example` and compiled by Inductor for those shapes.
+    `freeze`: the tensors `fn` closes over are constants Inductor may fold and pack (its freezing)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     with _TRACE_LOCK, torch.no_grad():
         graph = make_fx(fn)(*example)
         options = {"triton.cudagraphs": True} if example[0].device.type == "cuda" else {}
+        if freeze:
+            options["freezing"] = True
         return torch._inductor.compile(graph, example, options=options)

@@ -380,7 +380,9 @@ class DFlashDraftModel(nn.Module):
         `embed` is the target's embedding weight [V, hidden]."""
         if any(layer.self_attn.qkv_proj.bias is not None for layer in self.layers):
             raise DFlashConfigError("the compiled DFlash forward has no k/v projection biases")
-        self.compiled_block = CompiledForward(self.decoder_stack(embed), config, "dflash block")
+        # weights frozen into the graphs, so that Inductor packs them (DFlash has two layers: two graphs
+        # a bucket either way); the plain bfloat16 products are twice as slow as packed ones
+        self.compiled_block = CompiledForward(self.decoder_stack(embed), config, "dflash block", frozen_weights=True)
         args = self.args
         rows = ContextRows(args.num_layers, args.num_kv_heads, args.head_dim, args.rms_norm_eps,
                            self.rotary.attention_scaling)
@@ -388,7 +390,7 @@ class DFlashDraftModel(nn.Module):
         weights = [self.fc.weight, self.hidden_norm.weight, self.rotary.inv_freq]
         for layer in self.layers:
             weights += [layer.self_attn.qkv_proj.weight[q_size:], layer.self_attn.k_norm.weight]
-        self.compiled_context = CompiledRows(rows, weights, config, "dflash context")
+        self.compiled_context = CompiledRows(rows, weights, config, "dflash context", frozen_weights=True)
 
     def decoder_stack(self, embed: torch.Tensor) -> DecoderStack:
         return DecoderStack(self.args, embed, self.rotary, self.layers, self.norm.weight, self.forward_block,

@@ -154,7 +154,7 @@ def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_onl
                                stop=StopParams(max_tokens=24, ignore_eos=True),
                                speculation=SpeculationParams(disable=not speculate)))
         tokens = []
-        while request_id in core._tracked:
+        while core.in_flight(request_id):
             for out in core.step():
                 tokens.extend(out.token_ids)
         return tokens

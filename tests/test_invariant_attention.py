@@ -162,7 +162,7 @@ def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_l
                                    stop=StopParams(max_tokens=40, ignore_eos=True),
                                    speculation=SpeculationParams(disable=not speculate)))
         tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-        while any(request_id in core._tracked for request_id in ids):
+        while any(core.in_flight(request_id) for request_id in ids):
             for out in core.step():
                 tokens[out.request_id].extend(out.token_ids)
         return [tokens[request_id] for request_id in ids]
@@ -172,6 +172,7 @@ def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_l
         if plain.runner.backend_cls is not BatchInvariantTorchBackend:
             pytest.skip("this CPU's kernels are not batch-invariant (the engine logged why)")
         expected = [generate(plain, [p], speculate=False)[0] for p in PROMPTS[:4]]
+        assert all(len(tokens) == 40 for tokens in expected)  # each ran to max_tokens
         assert generate(plain, PROMPTS[:4], speculate=False) == expected  # a batch: the same tokens
     finally:
         plain.close()
