@@ -115,7 +115,11 @@ class EngineCore:
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """The cached pages a waiting sequence starts from: all of them, except that a drafter
         which reads the target's hidden states (DFlash) can follow the sequence only from pages
-        its own layers are written in, so past those the target computes the tokens again."""
+        its own layers are written in, so past those the target computes the tokens again; and
+        a sequence that still owes its prompt's logprobs computes its prompt (as vLLM: only a
+        forward over a prompt token gives the logprob of the next one)."""
+        if seq.request.logprobs.prompt and seq.index == 0 and seq.prompt_logprobs_done < seq.num_prompt_tokens:
+            return PrefixHit()
         hit = self.page_manager.find_prefix(seq, self.speculator.pages_epoch())
         if self.speculator.needs_hidden_states(seq):
             return hit.truncated(hit.drafter_valid_pages)

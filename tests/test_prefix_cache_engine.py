@@ -224,7 +224,7 @@ def test_preemption_and_abort_of_sequences_sharing_pages(checkpoints, tmp_path):
         collected += [t for o in core.step() if o.request_id == second.request_id for t in o.token_ids]
     shared = [p for p in core.scheduler.running[0].page_table if core.page_manager.refcount(p) > 1]
     assert shared, "the two conversations share SYSTEM's full pages"
-    out = core.abort(first.request_id)
+    [out] = core.abort(first.request_id)
     assert out.finish_reason is FinishReason.ABORT
     assert all(core.page_manager.refcount(p) == 1 for p in shared)
     while core.has_work():
