@@ -1,7 +1,7 @@
 """lm-evaluation-harness (`lm-eval`, its `local-completions` model) through the gateway: a
 loglikelihood task (echo + logprobs) and a generate-until task on local data
-(tests/lm_eval_tasks/), once against a target that speculates with a draft LM and once against
-a target alone. Scores and every per-sample response agree."""
+(tests/lm_eval_tasks/), on the demo pair: once against the demo target speculating with the demo
+DFlash drafter and once against the target alone. Scores and every per-sample response agree."""
 
 from __future__ import annotations
 
@@ -13,28 +13,26 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from tests.procs import Service, private_shm_dir, start_gateway, wait_drafter
-from tests.tiny_models import make_qwen3
 
 lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 TASKS = ("splitspec_choice", "splitspec_complete")
+DEMO = Path(__file__).resolve().parents[1] / "demo"
 
 
 @pytest.fixture(scope="module")
 def gateways(tmp_path_factory):
-    """Two gateways on the same checkpoint: one before a target speculating with a draft LM, one
-    before a target alone."""
+    """Two gateways on the demo target: one before it speculating with the demo DFlash drafter, one
+    before it alone."""
     tmp = tmp_path_factory.mktemp("lm-eval")
-    model = make_qwen3(tmp / "model")
-    draft = tmp / "draft"
-    shutil.copytree(model, draft)
+    model = DEMO / "target"
     shm = private_shm_dir()
     services: list[Service] = []
     try:
-        drafter = Service("draft_service.cli", ["--model", str(draft), "--dtype", "float32", "--target-model",
-                                                str(model), "--port", "0", "--num-speculative-tokens", "4",
-                                                "--shm-dir", str(shm)], tmp / "drafter.log")
+        drafter = Service("draft_service.cli", ["--kind", "dflash", "--model", str(DEMO / "dflash"), "--target-model",
+                                                str(model), "--port", "0", "--shm-dir", str(shm)],
+                          tmp / "drafter.log")
         services.append(drafter)
         drafter.wait_serving()
         addresses = {}
