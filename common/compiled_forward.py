@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
+from common.qwen3 import rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +178,7 @@ class Segments:
         x = F.embedding(input_ids, embed)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
-        cos, sin = torch.cat((cos, cos), -1).to(x.dtype), torch.cat((-sin, sin), -1).to(x.dtype)
+        cos, sin = rope_tables(positions, inv_freq, self.scaling, x.dtype)  # [T, D] each
         return (x, cos, sin, *attention_inputs(x, w, cos, sin, self.shapes))
 
     def middle(self, x, attended, cos, sin, w: LayerWeights, w_next: LayerWeights):

@@ -117,10 +117,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos [T, D] and the signed sin [T, D] (its first half negated) that `apply_rope` takes."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos = freqs.cos() * self.attention_scaling
-        sin = freqs.sin() * self.attention_scaling
-        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+        return rope_tables(positions, self.inv_freq, self.attention_scaling, dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T], inv_freq [D/2] → cos [T, D] and the signed sin [T, D] that `apply_rope` takes
+    (also inside the compiled segments, which must compute the same values)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] → [T, H, D]: (x1, x2) → (x2, x1)

@@ -42,6 +42,7 @@ from common.qwen3 import (
     WeightLoadError,
     apply_rope,
     checkpoint_layout,
+    rope_tables,
     stack_checkpoint_parts,
 )
 from common.weights import iter_safetensors, load_config, resolve_model_path
@@ -279,9 +280,7 @@ class ContextRows:
 
     def __call__(self, features, positions, fc, hidden_norm, inv_freq, *layers):
         context = rms_norm(F.linear(features.to(fc.dtype), fc), hidden_norm, self.eps)  # [T, hidden]
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-        cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
-        cos, sin = torch.cat((cos, cos), -1).to(context.dtype), torch.cat((-sin, sin), -1).to(context.dtype)
+        cos, sin = rope_tables(positions, inv_freq, self.rope_scaling, context.dtype)  # [T, D] each
         out = []
         tokens, shape = context.shape[0], (context.shape[0], self.num_kv_heads, self.head_dim)
         for kv_weight, k_norm in zip(layers[0::2], layers[1::2], strict=True):
