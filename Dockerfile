@@ -14,7 +14,9 @@ COPY target_service target_service
 COPY draft_service draft_service
 
 FROM base AS cpu
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+# a C compiler: the native attention kernels (and --compile's Inductor) are built on the machine at load
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
+ && pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
  && pip install .
 COPY demo demo
 EXPOSE 50051 9400 9401 8000

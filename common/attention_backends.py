@@ -19,11 +19,12 @@ from common import flashinfer_probe
 from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.invariant_attention import BatchInvariantTorchBackend
+from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend, native_unavailable_reason
 from common.kv_layout import LayerSpec
 
 log = logging.getLogger(__name__)
 
-BACKEND_CHOICES = ("auto", "torch", "flashinfer")  # --attention-backend
+BACKEND_CHOICES = ("auto", "native", "torch", "flashinfer")  # --attention-backend
 
 
 def check_backend_name(name: str) -> None:
@@ -62,17 +63,29 @@ def select_backend(
     kv_dtype: torch.dtype | None = None,
     batch_invariant: bool = False,
 ) -> type:
-    """The backend class for `--attention-backend` (auto | torch | flashinfer).
+    """The backend class for `--attention-backend` (auto | native | torch | flashinfer).
 
-    auto: FlashInfer on a CUDA device where `import flashinfer` works, its kernels fit the
+    auto on a CPU: the native C kernels (common/native_attention.py) where this machine's C
+    compiler builds them and the KV dtype is one they read, else torch, with one warning saying
+    why; native: the same conditions, as a ValueError. auto on CUDA: FlashInfer where `import flashinfer` works, its kernels fit the
     model (head dims, model and KV dtypes, when given) and can be loaded or built here
     (common/flashinfer_probe.py: prebuilt kernels, or nvcc and ninja), else torch, with one
     warning saying why. flashinfer: the same conditions, as a ValueError naming what to change.
     `batch_invariant`: the torch backend's variant whose rows do not depend on the rest of
-    the step (common/invariant_attention.py), for a reduced-precision target on a CPU."""
+    the step (common/invariant_attention.py; the native kernels are invariant by construction),
+    for a reduced-precision target on a CPU."""
     check_backend_name(name)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return BatchInvariantTorchBackend if batch_invariant else TorchAttentionBackend
+    torch_backend = BatchInvariantTorchBackend if batch_invariant else TorchAttentionBackend
+    if name == "torch":
+        return torch_backend
+    if name == "native" or (name == "auto" and device.type != "cuda"):
+        reason = _native_problem(device, kv_dtype)
+        if reason is None:
+            return BatchInvariantNativeBackend if batch_invariant else NativeCpuAttentionBackend
+        if name == "native":
+            raise ValueError(f"attention backend 'native' is not available: {reason}")
+        log.warning("attention backend auto: %s; using the torch backend", reason)
+        return torch_backend
     if device.type != "cuda":
         raise ValueError(f"attention backend 'flashinfer' needs a CUDA device, got {device}")
     flashinfer = flashinfer_backend.FlashInferAttentionBackend
@@ -85,3 +98,12 @@ def select_backend(
         log.warning("attention backend auto: %s; using the torch backend", reason)
         return TorchAttentionBackend
     raise ValueError(f"attention backend 'flashinfer' is not available: {reason}")
+
+
+def _native_problem(device: torch.device, kv_dtype: torch.dtype | None) -> str | None:
+    """Why the native CPU kernels cannot serve this device and KV dtype, or None."""
+    if device.type != "cpu":
+        return f"the native kernels run on a CPU, not {device}"
+    if kv_dtype is not None and kv_dtype not in NativeCpuAttentionBackend.DTYPE_KINDS:
+        return f"the native kernels do not read {kv_dtype} pages"
+    return native_unavailable_reason()

@@ -1,4 +1,5 @@
-"""The torch attention backend against dense attention over contiguous K/V.
+"""The CPU attention backends (torch, torch batch-invariant, native C, native invariant) against
+dense attention over contiguous K/V.
 
 Each test gives every sequence random q/k/v for all its positions, feeds them to the
 backend in steps (prefill, chunks, decode, K+1 verify, non-causal blocks) through
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from common.attention import TorchAttentionBackend, gather_kv_from_pages, read_kv_slots, write_kv_to_pages
 from common.invariant_attention import BatchInvariantTorchBackend
+from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
 from common.attention_backends import select_backend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import LayerSpec, build_layout
@@ -123,10 +125,12 @@ def check(h: Harness, outs, spans, causal=True, atol=1e-5, round_trip=False) -> 
     return worst
 
 
-@pytest.fixture(autouse=True, params=[TorchAttentionBackend, BatchInvariantTorchBackend], ids=["sdpa", "invariant"])
+@pytest.fixture(autouse=True, params=[TorchAttentionBackend, BatchInvariantTorchBackend, NativeCpuAttentionBackend,
+                                      BatchInvariantNativeBackend], ids=["sdpa", "invariant", "native", "native-invariant"])
 def backend_cls(request, monkeypatch):
-    """Every test runs through both torch backends: the batch-invariant one (common/invariant_attention.py)
-    reads the same pages through its own gather and must compute the same attention."""
+    """Every test runs through every CPU backend: the batch-invariant one (common/invariant_attention.py)
+    and the native C kernels (common/native_attention.py) read the same pages their own way and must
+    compute the same attention."""
     monkeypatch.setattr(Harness, "backend_cls", request.param)
     return request.param
 
@@ -291,7 +295,10 @@ def test_forward_without_plan_is_a_clear_error():
 
 def test_select_backend():
     cpu = torch.device("cpu")
-    assert select_backend("auto", cpu) is TorchAttentionBackend
+    assert select_backend("auto", cpu) is NativeCpuAttentionBackend  # this machine has a C compiler
+    assert select_backend("auto", cpu, batch_invariant=True) is BatchInvariantNativeBackend
+    assert select_backend("auto", cpu, kv_dtype=torch.float16) is TorchAttentionBackend  # pages it does not read
+    assert select_backend("native", cpu) is NativeCpuAttentionBackend
     assert select_backend("torch", cpu) is TorchAttentionBackend
     assert TorchAttentionBackend.preferred_order(cpu) in TorchAttentionBackend.supported_orders(cpu)
     with pytest.raises(ValueError, match="flashinfer"):
