@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--shm-dir", default="/dev/shm",
                        help="the target's --shm-dir: the only folder the drafter maps a CPU pool file from")
     model.add_argument("--attention-backend", default="auto", choices=BACKEND_CHOICES,
-                       help="attention kernels (auto: native C on a CPU where they build, FlashInfer on CUDA where it fits the model, else torch)")
+                       help="attention kernels (auto: native C on a CPU where they build, FlashInfer on CUDA "
+                            "where it fits the model, else torch)")
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1",
                      help="address to listen on, or unix:///path/to.sock for a Unix domain socket")

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-model-len", type=positive_int, default=None,
                        help="prompt + completion token limit (default: from the model config)")
     model.add_argument("--attention-backend", default="auto", choices=BACKEND_CHOICES,
-                       help="attention kernels (auto: native C on a CPU where they build, FlashInfer on CUDA where it fits the model, else torch)")
+                       help="attention kernels (auto: native C on a CPU where they build, FlashInfer on CUDA "
+                            "where it fits the model, else torch)")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     add_threads_arg(model, "torch's, one per core")
     model.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
