@@ -414,6 +414,21 @@ def run_identity(sizes: Sizes, sources: list[Source], target_from: PretrainedTar
     return identity
 
 
+def tokenized_corpus_kept(root: Path, identity: dict) -> dict:
+    """`identity` with the work folder's recorded corpus once its token streams are saved: from
+    then on the run reads the streams, not the files, so packages installed or removed since
+    (the corpus includes site-packages) change nothing it trains on."""
+    run_file, streams_file = root / "run.json", root / "streams.pt"
+    if not (run_file.is_file() and streams_file.is_file()):
+        return identity
+    recorded = json.loads(run_file.read_text()).get("corpus")
+    if recorded is not None and recorded != identity["corpus"]:
+        log(f"corpus: the files differ from the run's ({', '.join(sorted(recorded))}), which was tokenized in an "
+            f"earlier session; the run goes on with its saved token streams ({streams_file})")
+        identity = {**identity, "corpus": recorded}
+    return identity
+
+
 def corpus_record(sources: list[Source], streams: Streams) -> list[dict]:
     record = []
     for source, stream in zip(sources, streams.streams):
@@ -452,8 +467,9 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
     sources, held = load_corpus(sizes.corpus, sizes.max_files)
     for source in sources:
         log(f"corpus: {source.name}: {len(source.files)} files, {source.megabytes:.2f} MB")
-    work = WorkDir(work_dir or out.with_name(out.name + ".partial"), run_identity(sizes, sources, pretrained),
-                   restart)
+    root = work_dir or out.with_name(out.name + ".partial")
+    identity = run_identity(sizes, sources, pretrained)
+    work = WorkDir(root, identity if restart else tokenized_corpus_kept(root, identity), restart)
     sessions = record_session(work, sizes.threads)
     if compile_steps:  # compiled kernels live (across sessions) and go with the work folder
         keep_temp_files_in(work.file("tmp"))

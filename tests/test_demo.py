@@ -171,6 +171,23 @@ def test_work_folder_of_other_settings_is_refused(tmp_path):
     assert run_file.read_text() == recorded and (out.with_name("demo.partial") / "target.pt").is_file()
 
 
+def test_a_run_whose_streams_are_saved_goes_on_when_the_corpus_files_change(tmp_path):
+    """The corpus includes site-packages: installing a package must not orphan a run that has
+    already tokenized its corpus, while a run that has not must still be refused."""
+    identity = {"sizes": {"layers": 6}, "seed": 1, "corpus": {"stdlib": "a", "site-packages": "b"}}
+    demo_resume.atomic_write_json(identity, tmp_path / "run.json")
+    changed = {**identity, "corpus": {"stdlib": "a", "site-packages": "c"}}
+    assert train_demo.tokenized_corpus_kept(tmp_path, changed) == changed  # no streams yet: refused below
+    with pytest.raises(demo_resume.ResumeRefused, match="corpus.site-packages: b in the work folder, c"):
+        demo_resume.WorkDir(tmp_path, changed)
+    (tmp_path / "streams.pt").write_bytes(b"saved streams")
+    assert train_demo.tokenized_corpus_kept(tmp_path, changed) == identity
+    demo_resume.WorkDir(tmp_path, train_demo.tokenized_corpus_kept(tmp_path, changed))  # accepted
+    other_sizes = {**changed, "sizes": {"layers": 8}}
+    with pytest.raises(demo_resume.ResumeRefused, match="sizes.layers: 6 in the work folder, 8"):
+        demo_resume.WorkDir(tmp_path, train_demo.tokenized_corpus_kept(tmp_path, other_sizes))
+
+
 def _weights(folder: Path, part: str) -> bytes:
     return (folder / part / "model.safetensors").read_bytes()
 
