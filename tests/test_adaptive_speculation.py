@@ -234,12 +234,12 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(spec
     next Propose's own. The drafter holds the rows it receives and writes their context K/V
     only when the sequence drafts. Either way it drafts exactly what it drafts when told, and
     writes, every step ("eager")."""
-    from draft_service.drafters import dflash
+    from draft_service.drafters.base import FeatureDrafter
 
     results = {}
     for mode in ("held", "told", "eager"):
         if mode == "eager":
-            monkeypatch.setattr(dflash, "MAX_HELD_ROWS", 1)  # every row received is written at once
+            monkeypatch.setattr(FeatureDrafter, "max_held_rows", 1)  # every row received is written at once
         shm_dir = tmp_path / f"shm-{mode}"
         shm_dir.mkdir()
         core, drafts, unwritten = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, budget, script,
