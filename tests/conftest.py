@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests import procs
-from tests.procs import private_shm_dir
+from tests.procs import openai_client, private_shm_dir, wait_idle
 from tests.tiny_models import TARGET_LAYERS, make_pair
 
 # What makes a test module `stack`: it starts processes, through these helpers or the stdlib.
@@ -29,6 +29,14 @@ def shm_dir():
     leftovers = list(path.iterdir())
     shutil.rmtree(path, ignore_errors=True)
     assert not leftovers, f"files left in the shm dir: {leftovers}"
+
+
+@pytest.fixture
+def client(stack):
+    """The official `openai` client on the module's `stack["gateway"]`; the target is idle again after."""
+    with openai_client(stack["gateway"], timeout=120) as c:
+        yield c
+    wait_idle(stack["target"])
 
 
 @pytest.fixture(scope="module")

@@ -230,6 +230,22 @@ def family_of(name: str) -> str:
     return name
 
 
+def openai_client(gateway: str, **options):
+    """The official `openai` client on a gateway's /v1 (no retries: a test sees every answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{gateway}/v1", **{"api_key": "unused", "max_retries": 0, **options})
+
+
+def create_for_x(client, endpoint: str, model: str, max_tokens: int, fields: dict):
+    """One request through `client` for the prompt "x": a completion (`endpoint` "completions")
+    or a chat of one user message; `fields` add to (or replace) the request's."""
+    if endpoint == "completions":
+        return client.completions.create(**{"model": model, "prompt": "x", "max_tokens": max_tokens, **fields})
+    return client.chat.completions.create(**{"model": model, "max_tokens": max_tokens,
+                                             "messages": [{"role": "user", "content": "x"}], **fields})
+
+
 def start_gateway(target: str, log_path: Path, *args: str) -> Service:
     """A `splitspec-gateway` child in front of `target`, once it listens."""
     gateway = Service("splitspec.gateway.cli", ["--target", target, "--port", "0", *args], log_path,
