@@ -1,6 +1,8 @@
 """The accept/reject rule: greedy prefix, and rejection sampling that keeps p exactly."""
 
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -14,6 +16,12 @@ CHI2_CRIT = {4: 18.467, 24: 51.179}
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _counts(outcomes, size: int) -> torch.Tensor:
+    """How often each of 0 .. size - 1 occurred, as a float tensor."""
+    found = Counter(outcomes)
+    return torch.tensor([float(found[i]) for i in range(size)])
 
 
 def test_greedy_acceptance():
@@ -36,12 +44,10 @@ Q = torch.tensor([0.50, 0.05, 0.05, 0.10, 0.30])  # a badly mismatched drafter
 def test_rejection_sampling_keeps_target_distribution_first_token(one_hot):
     gen = make_generator(1234, torch.device("cpu"))
     target = torch.stack([P, P])  # K=1: [2, V]
-    counts = torch.zeros(5)
     n = 20000
-    for _ in range(n):
-        d = int(torch.multinomial(Q, 1, generator=gen))
-        out = rejection_sample([d], target, None if one_hot else Q[None], gen)
-        counts[out[0]] += 1
+    drafts = torch.multinomial(Q, n, replacement=True, generator=gen).tolist()  # d ~ q, one at a time below
+    draft_probs = None if one_hot else Q[None]
+    counts = _counts((rejection_sample([d], target, draft_probs, gen)[0] for d in drafts), 5)
     assert _chi_square(counts, P) < CHI2_CRIT[4]
 
 
@@ -49,29 +55,26 @@ def test_rejection_sampling_keeps_joint_of_two_positions():
     """K=2 drafts from q; the (first, second) emitted tokens follow p ⊗ p."""
     gen = make_generator(7, torch.device("cpu"))
     target = torch.stack([P, P, P])
-    joint = torch.zeros(5, 5)
+    draft_probs = torch.stack([Q, Q])
     n = 30000
-    for _ in range(n):
-        drafts = [int(t) for t in torch.multinomial(Q, 2, replacement=True, generator=gen)]
-        out = rejection_sample(drafts, target, torch.stack([Q, Q]), gen)
-        if len(out) >= 2:
-            joint[out[0], out[1]] += 1
-        else:  # a rejection at position 0: the next token would come from p at the next step
-            joint[out[0], int(torch.multinomial(P, 1, generator=gen))] += 1
+    drafts = torch.multinomial(Q, 2 * n, replacement=True, generator=gen).view(n, 2).tolist()  # [n, K=2] ~ q
+    # a rejection at position 0: the next token would come from p at the next step
+    next_steps = torch.multinomial(P, n, replacement=True, generator=gen).tolist()
+    pairs = []
+    for draft, next_step in zip(drafts, next_steps):
+        out = rejection_sample(draft, target, draft_probs, gen)
+        pairs.append(5 * out[0] + (out[1] if len(out) >= 2 else next_step))
     expected = torch.outer(P, P).flatten()
-    assert _chi_square(joint.flatten(), expected) < CHI2_CRIT[24]
+    assert _chi_square(_counts(pairs, 25), expected) < CHI2_CRIT[24]
 
 
 def test_acceptance_rate_matches_theory():
     """With one-hot q at d ~ q, P(accept) = sum_d q(d) p(d)."""
     gen = make_generator(3, torch.device("cpu"))
     target = torch.stack([P, P])
-    accepted = 0
     n = 20000
-    for _ in range(n):
-        d = int(torch.multinomial(Q, 1, generator=gen))
-        out = rejection_sample([d], target, None, gen)
-        accepted += len(out) == 2
+    drafts = torch.multinomial(Q, n, replacement=True, generator=gen).tolist()
+    accepted = sum(len(rejection_sample([d], target, None, gen)) == 2 for d in drafts)
     assert accepted / n == pytest.approx(float((P * Q).sum()), abs=0.015)
 
 
