@@ -40,14 +40,25 @@ P = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10])
 Q = torch.tensor([0.50, 0.05, 0.05, 0.10, 0.30])  # a badly mismatched drafter
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_rejection_sampling_keeps_target_distribution_first_token(one_hot):
+def _one_draft_trials(one_hot: bool, n: int = 20000) -> list[list[int]]:
+    """n verifies of one draft d ~ q against target rows [p, p] (K=1): what each emitted."""
     gen = make_generator(1234, torch.device("cpu"))
     target = torch.stack([P, P])  # K=1: [2, V]
-    n = 20000
     drafts = torch.multinomial(Q, n, replacement=True, generator=gen).tolist()  # d ~ q, one at a time below
     draft_probs = None if one_hot else Q[None]
-    counts = _counts((rejection_sample([d], target, draft_probs, gen)[0] for d in drafts), 5)
+    return [rejection_sample([d], target, draft_probs, gen) for d in drafts]
+
+
+@pytest.fixture(scope="module")
+def one_hot_trials() -> list[list[int]]:
+    """The one-hot q trials, which the first-token and the acceptance-rate tests both read."""
+    return _one_draft_trials(one_hot=True)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rejection_sampling_keeps_target_distribution_first_token(one_hot, request):
+    trials = request.getfixturevalue("one_hot_trials") if one_hot else _one_draft_trials(one_hot=False)
+    counts = _counts((out[0] for out in trials), 5)
     assert _chi_square(counts, P) < CHI2_CRIT[4]
 
 
@@ -68,14 +79,11 @@ def test_rejection_sampling_keeps_joint_of_two_positions():
     assert _chi_square(_counts(pairs, 25), expected) < CHI2_CRIT[24]
 
 
-def test_acceptance_rate_matches_theory():
+def test_acceptance_rate_matches_theory(one_hot_trials):
     """With one-hot q at d ~ q, P(accept) = sum_d q(d) p(d)."""
-    gen = make_generator(3, torch.device("cpu"))
-    target = torch.stack([P, P])
-    n = 20000
-    drafts = torch.multinomial(Q, n, replacement=True, generator=gen).tolist()
-    accepted = sum(len(rejection_sample([d], target, None, gen)) == 2 for d in drafts)
-    assert accepted / n == pytest.approx(float((P * Q).sum()), abs=0.015)
+    n = len(one_hot_trials)
+    accepted = sum(len(out) == 2 for out in one_hot_trials)
+    assert n == 20000 and accepted / n == pytest.approx(float((P * Q).sum()), abs=0.015)
 
 
 def _rejection_sample_per_token(draft, target_probs, draft_probs, generator):
