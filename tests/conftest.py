@@ -52,9 +52,10 @@ def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_pair(tmp_path_factory.mktemp("pair"), num_hidden_layers=TARGET_LAYERS)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spec_models(tmp_path_factory):
-    """tiny_models.SpecModels: a target, its copy as draft LM, a reference DFlash drafter."""
+    """tiny_models.SpecModels: a target, its copy as draft LM, a reference DFlash drafter (built
+    once per session: tests read them, never write them)."""
     from tests.tiny_models import make_spec_models
 
     return make_spec_models(tmp_path_factory.mktemp("spec-models"))
