@@ -10,7 +10,6 @@ import time
 
 import grpc
 import httpx2
-import openai
 import pytest
 
 from splitspec.v1 import generation_pb2 as pb
@@ -30,6 +29,7 @@ from tests.procs import (
 )
 from tests.tiny_models import PROMPTS, make_qwen3
 
+# `openai` is imported by the tests that use it: make test-fast imports this module only to leave it out.
 MAX_BODY = 64 * 1024
 LONG = 400  # tokens: a stream that is still running when the test acts on it
 MODEL_LEN = 16384  # the stack's model length, so a stream can outlast a slow, busy test
@@ -313,6 +313,8 @@ def _error(exc_info, status: int) -> dict:
     ({"prompt": ""}, "prompt", "must not be empty"),
 ])
 def test_invalid_argument_is_400_naming_the_field(stack, client, fields, param, words):
+    import openai
+
     fields = {"prompt": PROMPTS[0], "max_tokens": 4, **fields}
     with pytest.raises(openai.BadRequestError) as exc_info:
         client.completions.create(model=stack["model"], **fields)
@@ -335,6 +337,8 @@ def test_invalid_argument_is_400_naming_the_field(stack, client, fields, param, 
     ("chat", {"extra_body": {"guided_json": {}}}, "guided_json"),
 ])
 def test_unsupported_parameters_are_400_saying_so(stack, client, endpoint, fields, param):
+    import openai
+
     with pytest.raises(openai.BadRequestError) as exc_info:
         create_for_x(client, endpoint, stack["model"], 2, fields)
     error = _error(exc_info, 400)
@@ -344,6 +348,8 @@ def test_unsupported_parameters_are_400_saying_so(stack, client, endpoint, field
 
 def test_queue_full_is_429(stack):
     """max-num-seqs 1 and max-waiting 1: a running stream, a waiting one, then a third → 429."""
+    import openai
+
     url = f"http://{stack['gateway']}/v1/completions"
     body = {"model": stack["model"], "prompt": PROMPTS[0], "max_tokens": ENDLESS, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -365,6 +371,8 @@ def test_queue_full_is_429(stack):
 
 
 def test_unknown_model_is_404(stack, client):
+    import openai
+
     with pytest.raises(openai.NotFoundError) as exc_info:
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
     error = _error(exc_info, 404)
@@ -435,6 +443,8 @@ def test_docs_document_every_gateway_metric(stack):
 
 
 def test_target_unavailable_is_503(tmp_path):
+    import openai
+
     nowhere = f"127.0.0.1:{free_port()}"
     gateway = start_gateway(nowhere, tmp_path / "gateway.log")
     try:

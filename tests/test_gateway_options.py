@@ -10,7 +10,6 @@ import math
 import shutil
 
 import grpc
-import openai
 import pytest
 
 from splitspec.v1 import generation_pb2 as pb
@@ -18,7 +17,7 @@ from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from tests.procs import Service, create_for_x, private_shm_dir, start_gateway, wait_drafter
 from tests.tiny_models import PROMPTS, make_qwen3
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # `openai` is imported by the test that uses it (collection stays cheap)
 TOP = 3
 
 
@@ -200,6 +199,8 @@ def test_seeded_sampling_with_n_equals_the_grpc_api(stack, client):
     ("chat", {"presence_penalty": 3}, "presence_penalty"),
 ])
 def test_out_of_range_options_are_400_naming_the_parameter(stack, client, endpoint, fields, param):
+    import openai
+
     with pytest.raises(openai.BadRequestError) as exc_info:
         create_for_x(client, endpoint, stack["model"], 4, fields)
     error = exc_info.value.body
