@@ -370,6 +370,10 @@ class FeatureDrafter(PooledDrafter):
     # Rows a sequence may hold before its context K/V is written even though it drafts no
     # more (bounds the drafter's memory: 256 rows of 3 target layers x 256 floats are 768 KB).
     max_held_rows = 256
+    # What the target must be: its hidden size (that of the features), and the fingerprint of
+    # the embedding and lm_head the drafter borrows from it ("" when it has its own).
+    target_hidden_size: int
+    embed_fingerprint: str = ""
 
     def __init__(self, cache_config: CacheConfig, model: torch.nn.Module, num_speculative_tokens: int,
                  attention_backend: str = "auto", *, model_id: str = "",
@@ -377,11 +381,6 @@ class FeatureDrafter(PooledDrafter):
         super().__init__(cache_config, model, num_speculative_tokens, attention_backend, model_id=model_id,
                          max_speculative_tokens=max_speculative_tokens)
         self.feature_width = model.feature_width
-
-    # What the target must be: its hidden size (that of the features), and the fingerprint of
-    # the embedding and lm_head the drafter borrows from it ("" when it has its own).
-    target_hidden_size: int
-    embed_fingerprint: str = ""
 
     def target_mismatches(self, target: TargetInfo) -> list[str]:
         problems = []
