@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import httpx2  # noqa: E402
 
+from splitspec.up import stop_process  # noqa: E402
 from splitspec.v1 import generation_pb2 as pb  # noqa: E402
 from splitspec.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -139,12 +140,7 @@ class Up:
         return found
 
     def interrupt(self, timeout: float = 120.0) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, signal.SIGINT, timeout)
 
 
 def rss_anon_mib(pid: int) -> float | None:

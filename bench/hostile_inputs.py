@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from splitspec.up import stop_process  # noqa: E402
 from splitspec.v1 import generation_pb2 as pb  # noqa: E402
 from splitspec.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -83,12 +85,7 @@ class Target:
         raise RuntimeError(f"the target did not serve within {timeout} s")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, signal.SIGTERM, 60)
         shutil.rmtree(self.shm, ignore_errors=True)
 
 

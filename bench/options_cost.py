@@ -7,25 +7,17 @@ this process) and off, on the same held-out prompts, rows interleaved and each t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compare import in_process_engine, load_held_out  # noqa: E402
-from target_service.api_types import (  # noqa: E402
-    EngineRequest,
-    LogprobParams,
-    SamplingParams,
-    SpeculationParams,
-    StopParams,
-)
+from bench import demo_pair_args, held_out_prompts, one_at_a_time  # noqa: E402
+from bench.compare import in_process_engine  # noqa: E402
+from target_service.api_types import LogprobParams, SamplingParams, SpeculationParams  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
 
 OPTIONS: dict[str, Callable[[], dict]] = {
@@ -37,26 +29,16 @@ OPTIONS: dict[str, Callable[[], dict]] = {
 
 def run(core: EngineCore, prompts: list[list[int]], new_tokens: int, speculate: bool, options: dict) -> float:
     """Tokens/s over the prompts one at a time (concurrency 1)."""
-    tokens, start = 0, time.perf_counter()
-    for i, ids in enumerate(prompts):
-        rid = f"r{i}-{time.monotonic_ns()}"
-        core.add(EngineRequest(rid, tuple(ids), stop=StopParams(max_tokens=new_tokens, ignore_eos=True),
-                               speculation=SpeculationParams(disable=not speculate), **options))
-        while core.in_flight(rid):
-            tokens += sum(len(out.token_ids) for out in core.step())
-    return tokens / (time.perf_counter() - start)
+    tokens, seconds, _ = one_at_a_time(core, prompts, new_tokens, speculation=SpeculationParams(disable=not speculate),
+                                       **options)
+    return tokens / seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", type=Path, default=REPO / "demo")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args(argv)
-    _, prompts = load_held_out(args.models, args.prompts)
+    args = demo_pair_args(__doc__, prompts=4, new_tokens=64, threads=None).parse_args(argv)
+    prompts = held_out_prompts(args)
     with tempfile.TemporaryDirectory(prefix="splitspec-options-") as shm:
-        core = in_process_engine(args.models, shm, 8, kind="dflash")
+        core = in_process_engine(args.models, shm, args.k, kind="dflash")
         try:
             rows = [(name, speculate) for speculate in (True, False) for name in OPTIONS]
             run(core, prompts[:1], 8, True, {})  # warm

@@ -14,27 +14,17 @@ one run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.compare import engine_config, in_process_engine, load_held_out  # noqa: E402
-from target_service.api_types import (  # noqa: E402
-    EngineRequest,
-    SpeculationParams,
-    StopParams,
-    StructuredOutputKind,
-    StructuredOutputParams,
-)
+from bench import demo_pair_args, held_out_prompts, one_at_a_time  # noqa: E402
+from bench.compare import engine_config, in_process_engine  # noqa: E402
+from target_service.api_types import StructuredOutputKind, StructuredOutputParams  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
 from target_service.structured_output import CompiledGrammar, GrammarCompiler  # noqa: E402
@@ -57,36 +47,16 @@ SCHEMA = {
 def run(core: EngineCore, prompts: list[list[int]], new_tokens: int, grammar: CompiledGrammar | None,
         params: StructuredOutputParams | None) -> tuple[int, float, int, int]:
     """Every prompt one at a time (concurrency 1); (tokens, seconds, drafted, accepted)."""
-    tokens = drafted = accepted = 0
-    started = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        rid = f"so-{i}-{time.monotonic_ns()}"
-        core.add(EngineRequest(rid, tuple(ids), stop=StopParams(max_tokens=new_tokens, ignore_eos=True),
-                               speculation=SpeculationParams(), structured_output=params, grammar=grammar))
-        done = False
-        while not done:
-            for out in core.step():
-                tokens += len(out.token_ids)
-                if out.finish_reason is not None:
-                    done = True
-                    drafted += out.usage.draft_tokens
-                    accepted += out.usage.accepted_tokens
-    return tokens, time.perf_counter() - started, drafted, accepted
+    tokens, seconds, usages = one_at_a_time(core, prompts, new_tokens, structured_output=params, grammar=grammar)
+    return tokens, seconds, sum(u.draft_tokens for u in usages), sum(u.accepted_tokens for u in usages)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", type=Path, default=REPO / "demo")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser = demo_pair_args(__doc__, prompts=8, new_tokens=128)
     parser.add_argument("--policy", choices=("adaptive", "fixed"), default="adaptive",
                         help="fixed: K drafts every step, what drafting costs where it does not pay")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    _, prompts = load_held_out(args.models, args.prompts)
+    prompts = held_out_prompts(args)
     params = StructuredOutputParams(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA), disable_any_whitespace=True)
     with tempfile.TemporaryDirectory() as shm_dir:
         plain = build_engine_core(engine_config(args.models, shm_dir, args.k))

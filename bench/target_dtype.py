@@ -17,19 +17,16 @@ drafter called in-process (the adaptive policy, as served), then:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.compare import engine_config, in_process_engine, load_held_out, run_engine  # noqa: E402
+from bench import demo_pair_args, held_out_prompts  # noqa: E402
+from bench.compare import engine_config, in_process_engine, run_engine  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
 
@@ -60,16 +57,8 @@ def divergence(reference: list[list[int]], other: list[list[int]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", type=Path, default=REPO / "demo")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    _, prompts = load_held_out(args.models, args.prompts)
+    args = demo_pair_args(__doc__, prompts=16, new_tokens=128).parse_args(argv)
+    prompts = held_out_prompts(args)
     with tempfile.TemporaryDirectory() as shm_dir:
         cores = {dtype: build_pair(args.models, shm_dir, dtype, args.k) for dtype in DTYPES}
         rates: dict[tuple[str, str], list[float]] = {}

@@ -33,19 +33,19 @@ from common.attention import write_kv_to_pages
 from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.compiled_forward import CompileConfig, CompiledForward, CompiledRows, DecoderStack, rms_norm, rope
-from common.kv_layout import KVLayout, LayerSpec
+from common.kv_layout import KVLayout
 from common.qwen3 import (
     DecoderLayer,
     ModelArgs,
     RMSNorm,
     RotaryEmbedding,
-    WeightLoadError,
     apply_rope,
     checkpoint_layout,
     rope_tables,
     stack_checkpoint_parts,
 )
 from common.weights import iter_safetensors, load_config, resolve_model_path
+from draft_service.feature_head import FeatureHead, strict_state
 
 ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
@@ -178,40 +178,9 @@ def _reject_unsupported(config) -> None:
         )
 
 
-def _describe_names(missing: list[str], unexpected: list[str], limit: int = 8) -> str:
-    parts = []
-    for label, names in (("missing", sorted(missing)), ("unexpected", sorted(unexpected))):
-        if names:
-            more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-            shown = ", ".join(names[:limit]) + more
-            parts.append(f"{len(names)} {label} tensor(s): {shown}")
-    return "; ".join(parts)
-
-
-def _read_weights(
-    folder: Path, expected: Mapping[str, torch.Size], dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Every expected tensor, cast and moved; strict about names and shapes."""
-    state: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
-    for name, tensor in iter_safetensors(folder):
-        if name in expected:
-            if tensor.shape != expected[name]:
-                raise WeightLoadError(
-                    f"{folder}: DFlash tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"the config implies {tuple(expected[name])}"
-                )
-            state[name] = tensor.to(device=device, dtype=dtype)
-        elif not IGNORED_TENSOR.search(name):
-            unexpected.append(name)
+def _refuse_dflash2(folder: Path, unexpected: list[str]) -> None:
     if any(DFLASH2_TENSOR.search(name) for name in unexpected):
         raise DFlashConfigError(f"{folder}: DFlash2 tensors (candidate_selector / *_conv) are not supported")
-    missing = sorted(set(expected) - set(state))
-    if missing or unexpected:
-        raise WeightLoadError(
-            f"{folder}: checkpoint does not match the DFlash model: {_describe_names(missing, unexpected)}"
-        )
-    return state
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,8 +261,9 @@ class ContextRows:
 # ---------------------------------------------------------------------------------------
 
 
-class DFlashDraftModel(nn.Module):
-    """The DFlash drafter; module names follow the checkpoint's tensor names."""
+class DFlashDraftModel(FeatureHead):
+    """The DFlash drafter; module names follow the checkpoint's tensor names. A feature row is
+    the target's hidden states after layers `target_layer_ids`."""
 
     def __init__(self, config, target: TargetHeads) -> None:
         super().__init__()
@@ -328,7 +298,9 @@ class DFlashDraftModel(nn.Module):
             model = cls(config, target)
         expected, stacked = checkpoint_layout(model)
         expected = {name: shape for name, shape in expected.items() if not IGNORED_TENSOR.search(name)}
-        state = stack_checkpoint_parts(_read_weights(folder, expected, dtype, device), stacked)
+        state = strict_state(folder, iter_safetensors(folder), expected, dtype, device, ignored=IGNORED_TENSOR,
+                             model="DFlash model", refuse=lambda unexpected: _refuse_dflash2(folder, unexpected))
+        state = stack_checkpoint_parts(state, stacked)
         model.load_state_dict(state, strict=False, assign=True)
         return model.to(device).eval().requires_grad_(False)
 
@@ -340,25 +312,12 @@ class DFlashDraftModel(nn.Module):
         return list(self.dflash.target_layer_ids)
 
     @property
-    def feature_width(self) -> int:
-        """Width of one context token's feature row: len(target_layer_ids) * hidden size."""
-        return self.fc.in_features
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.hidden_size
-
-    @property
     def num_speculative_tokens(self) -> int:
         return self.dflash.num_speculative_tokens
 
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
-
-    def kv_layer_specs(self) -> list[LayerSpec]:
-        heads, head_dim = self.args.num_kv_heads, self.args.head_dim
-        return [LayerSpec("draft", i, heads, head_dim) for i in range(self.args.num_layers)]
 
     def check_target(self, num_layers: int, hidden_size: int) -> None:
         """Raise DFlashConfigError unless the target can feed this drafter."""

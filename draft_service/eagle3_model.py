@@ -36,7 +36,6 @@ from torch import nn
 
 from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
-from common.kv_layout import LayerSpec
 from common.qwen3 import (
     MLP,
     Attention,
@@ -45,11 +44,11 @@ from common.qwen3 import (
     RMSNorm,
     RotaryEmbedding,
     StackedLinear,
-    WeightLoadError,
     checkpoint_layout,
     stack_checkpoint_parts,
 )
 from common.weights import iter_safetensors, resolve_model_path
+from draft_service.feature_head import FeatureHead, strict_state
 
 SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Qwen3ForCausalLMEagle3")
 SPECULATORS_ARCHITECTURES = ("Eagle3Speculator", "Eagle3DraftModel")
@@ -250,7 +249,7 @@ class Eagle3FirstLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(FeatureHead):
     """An EAGLE-3 head; `embed_tokens` is its own when the checkpoint has one, else borrowed."""
 
     def __init__(self, config: Eagle3Config, own_embedding: bool) -> None:
@@ -295,7 +294,8 @@ class Eagle3DraftModel(nn.Module):
             model = cls(config, own_embedding)
         expected, stacked = checkpoint_layout(model)
         d2t = tensors.pop(D2T_NAME, None)
-        state = _check_tensors(folder, tensors, expected, dtype, torch.device(device))
+        state = strict_state(folder, tensors.items(), expected, dtype, device, ignored=IGNORED_TENSOR,
+                             model="EAGLE-3 head")
         model.load_state_dict(stack_checkpoint_parts(state, stacked), strict=False, assign=True)
         model.draft_to_target = _draft_to_target(folder, config, d2t).to(device)
         if not own_embedding:
@@ -305,20 +305,8 @@ class Eagle3DraftModel(nn.Module):
     # -- facts --------------------------------------------------------------------------
 
     @property
-    def hidden_size(self) -> int:
-        return self.args.hidden_size
-
-    @property
-    def feature_width(self) -> int:
-        return self.fc.in_features
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
-
-    def kv_layer_specs(self) -> list[LayerSpec]:
-        heads, head_dim = self.args.num_kv_heads, self.args.head_dim
-        return [LayerSpec("draft", i, heads, head_dim) for i in range(self.args.num_layers)]
 
     # -- forward ------------------------------------------------------------------------
 
@@ -386,26 +374,6 @@ def _check_borrowed_embedding(folder: Path, config: Eagle3Config, embed: nn.Modu
         raise Eagle3ConfigError(f"{folder}: hidden_size {config.hidden_size} of the head, the target's "
                                 f"embedding is {width} wide (a head of another width needs its own "
                                 f"{EMBED_NAME})")
-
-
-def _check_tensors(folder: Path, tensors: dict[str, torch.Tensor], expected: Mapping[str, torch.Size],
-                   dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
-    for name, tensor in tensors.items():
-        if name in expected:
-            if tensor.shape != expected[name]:
-                raise WeightLoadError(f"{folder}: EAGLE-3 tensor {name} has shape {tuple(tensor.shape)}, "
-                                      f"the config implies {tuple(expected[name])}")
-            state[name] = tensor.to(device=device, dtype=dtype)
-        elif not IGNORED_TENSOR.search(name):
-            unexpected.append(name)
-    missing = sorted(set(expected) - set(state))
-    if missing or unexpected:
-        parts = [f"{len(names)} {label} tensor(s): {', '.join(sorted(names)[:8])}"
-                 for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
-        raise WeightLoadError(f"{folder}: checkpoint does not match the EAGLE-3 head: {'; '.join(parts)}")
-    return state
 
 
 def _draft_to_target(folder: Path, config: Eagle3Config, d2t: torch.Tensor | None) -> torch.Tensor:

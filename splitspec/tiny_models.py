@@ -30,26 +30,18 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
     return train_bpe_tokenizer(_training_text(), vocab_size, out_dir)
 
 
+# The tiny decoder of every test and benchmark checkpoint (each family adds its own fields).
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None)
+
+
 def qwen3_config(vocab_size: int, **overrides):
+    """A tiny Qwen3 config; `overrides` replace (or add) fields."""
     from transformers import Qwen3Config
 
-    fields = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    fields.update(overrides)
-    return Qwen3Config(**fields)
+    fields = dict(vocab_size=vocab_size, **TINY_SHAPE, head_dim=16, rope_theta=10000.0, tie_word_embeddings=False,
+                  eos_token_id=0, pad_token_id=0)
+    return Qwen3Config(**{**fields, **overrides})
 
 
 def make_qwen3(out_dir: Path, *, seed: int = 0, tokenizer_vocab: int = 512, **overrides) -> Path:

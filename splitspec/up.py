@@ -210,13 +210,18 @@ class Child:
         if self.restart_at is not None:  # exited, its exit reported, waiting for its restart
             self.restart_at = None
             return 0
-        if self.running():
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, signal.SIGTERM, timeout)
+
+
+def stop_process(proc: subprocess.Popen, sig: int, timeout: float) -> int:
+    """Send `sig` (unless `proc` has exited); its exit status within `timeout` s, else once SIGKILLed."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests import procs
-from tests.procs import private_shm_dir
+from tests.procs import openai_client, private_shm_dir, wait_idle
 from tests.tiny_models import TARGET_LAYERS, make_pair
 
 # What makes a test module `stack`: it starts processes, through these helpers or the stdlib.
@@ -31,6 +31,14 @@ def shm_dir():
     assert not leftovers, f"files left in the shm dir: {leftovers}"
 
 
+@pytest.fixture
+def client(stack):
+    """The official `openai` client on the module's `stack["gateway"]`; the target is idle again after."""
+    with openai_client(stack["gateway"], timeout=120) as c:
+        yield c
+    wait_idle(stack["target"])
+
+
 @pytest.fixture(scope="module")
 def target_model(checkpoint_pair) -> Path:
     """A tiny Qwen3 target with the layers a reference DFlash drafter reads (per test module)."""
@@ -44,9 +52,10 @@ def checkpoint_pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_pair(tmp_path_factory.mktemp("pair"), num_hidden_layers=TARGET_LAYERS)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spec_models(tmp_path_factory):
-    """tiny_models.SpecModels: a target, its copy as draft LM, a reference DFlash drafter."""
+    """tiny_models.SpecModels: a target, its copy as draft LM, a reference DFlash drafter (built
+    once per session: tests read them, never write them)."""
     from tests.tiny_models import make_spec_models
 
     return make_spec_models(tmp_path_factory.mktemp("spec-models"))

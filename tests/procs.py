@@ -26,6 +26,21 @@ LISTENING = re.compile(r"listening on (\S+):(\d+)")
 TOKEN = "test-internal-token"
 
 
+def wait_for_line(proc: subprocess.Popen, log_path: Path, pattern: re.Pattern, timeout: float,
+                  poll_s: float = 0.1) -> re.Match:
+    """The first match of `pattern` in `proc`'s log; the test fails if `proc` exits first, or
+    after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (match := pattern.search(log_path.read_text(errors="replace"))) is not None:
+            return match
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args} exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
+        time.sleep(poll_s)
+    pytest.fail(f"{proc.args} printed no {pattern.pattern!r} within {timeout} s:\n"
+                f"{log_path.read_text(errors='replace')}")
+
+
 class Service:
     """`python -m <module> <args>` with its log in a file (`metrics_flag`: the module takes
     --metrics-port, which defaults to 0 here)."""
@@ -45,15 +60,9 @@ class Service:
         return self.log_path.read_text(errors="replace")
 
     def wait_listening(self, timeout: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (match := LISTENING.search(self.log())) is not None:
-                self.address = f"{match[1]}:{match[2]}"
-                return self.address
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.proc.args} exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.02)
-        pytest.fail(f"{self.proc.args} did not listen within {timeout} s:\n{self.log()}")
+        match = wait_for_line(self.proc, self.log_path, LISTENING, timeout, poll_s=0.02)
+        self.address = f"{match[1]}:{match[2]}"
+        return self.address
 
     def wait_serving(self, timeout: float = 180.0, credentials: grpc.ChannelCredentials | None = None) -> str:
         address = self.address or self.wait_listening(timeout)
@@ -228,6 +237,22 @@ def family_of(name: str) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
+
+
+def openai_client(gateway: str, **options):
+    """The official `openai` client on a gateway's /v1 (no retries: a test sees every answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{gateway}/v1", **{"api_key": "unused", "max_retries": 0, **options})
+
+
+def create_for_x(client, endpoint: str, model: str, max_tokens: int, fields: dict):
+    """One request through `client` for the prompt "x": a completion (`endpoint` "completions")
+    or a chat of one user message; `fields` add to (or replace) the request's."""
+    if endpoint == "completions":
+        return client.completions.create(**{"model": model, "prompt": "x", "max_tokens": max_tokens, **fields})
+    return client.chat.completions.create(**{"model": model, "max_tokens": max_tokens,
+                                             "messages": [{"role": "user", "content": "x"}], **fields})
 
 
 def start_gateway(target: str, log_path: Path, *args: str) -> Service:

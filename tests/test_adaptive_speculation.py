@@ -16,10 +16,8 @@ from target_service.draft_policy import BatchCostTables, CostTable, Decision, Dr
 from tests.tiny_models import (
     PROMPTS,
     REFERENCE_DFLASH_K,
-    TARGET_LAYERS,
     make_pair,
     make_qwen3,
-    make_reference_dflash,
 )
 
 K = 4
@@ -214,13 +212,8 @@ def _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, budget: int, s
 
 
 @pytest.fixture(scope="module")
-def checkpoints_dflash(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("adaptive-dflash")
-    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
-    tok = AutoTokenizer.from_pretrained(target)
-    return target, make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
+def checkpoints_dflash(spec_models):
+    return spec_models.target, spec_models.dflash
 
 
 @pytest.mark.parametrize(("budget", "script"), [
@@ -234,12 +227,12 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(spec
     next Propose's own. The drafter holds the rows it receives and writes their context K/V
     only when the sequence drafts. Either way it drafts exactly what it drafts when told, and
     writes, every step ("eager")."""
-    from draft_service.drafters import dflash
+    from draft_service.drafters.base import FeatureDrafter
 
     results = {}
     for mode in ("held", "told", "eager"):
         if mode == "eager":
-            monkeypatch.setattr(dflash, "MAX_HELD_ROWS", 1)  # every row received is written at once
+            monkeypatch.setattr(FeatureDrafter, "max_held_rows", 1)  # every row received is written at once
         shm_dir = tmp_path / f"shm-{mode}"
         shm_dir.mkdir()
         core, drafts, unwritten = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, budget, script,

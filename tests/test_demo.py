@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from splitspec.v1 import generation_pb2 as pb
-from tests.procs import REPO_ROOT, free_port, stream_tokens
+from tests.procs import REPO_ROOT, free_port, stream_tokens, wait_for_line
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import demo_drafters  # noqa: E402
@@ -370,14 +370,7 @@ class Up:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 300.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (match := READY.search(self.log())) is not None:
-                return match[1]
-            if self.proc.poll() is not None:
-                pytest.fail(f"splitspec up exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.1)
-        pytest.fail(f"splitspec up not ready within {timeout} s:\n{self.log()}")
+        return wait_for_line(self.proc, self.log_path, READY, timeout)[1]
 
     def interrupt(self, timeout: float = 60.0) -> int:
         self.proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers

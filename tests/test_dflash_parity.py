@@ -331,23 +331,51 @@ def new_context(cases_chunks: list[tuple[Case, int, int]], tables: list[list[int
     )
 
 
+@dataclass
+class HeldBatch:
+    """Three cases of other lengths, each with its last 1, 4 and 7 context rows held (handed to
+    `propose`) and the rest written first; page tables for K + 1 slots past each."""
+
+    cases: list[Case]
+    splits: list[int]  # per case: rows 0 .. split are written first, split .. length held
+    tables: list[list[int]]
+
+    @classmethod
+    def of(cls, models, paged) -> HeldBatch:
+        cases = [models.cases[4], models.cases[0], models.cases[2]]
+        splits = [c.length - 1 - 3 * i for i, c in enumerate(cases)]
+        return cls(cases, splits, [paged.allocate(c.length + K + 1) for c in cases])
+
+    @property
+    def anchors(self) -> torch.Tensor:
+        return torch.tensor([c.next_token for c in self.cases])
+
+    @property
+    def lengths(self) -> list[int]:
+        return [c.length for c in self.cases]
+
+    @property
+    def written(self) -> list[tuple[Case, int, int]]:
+        return [(c, 0, s) for c, s in zip(self.cases, self.splits)]
+
+    @property
+    def held(self) -> list[tuple[Case, int, int]]:
+        return [(c, s, c.length) for c, s in zip(self.cases, self.splits)]
+
+
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_context_drafted_over_in_the_same_forward_equals_written_first(models, make_paged, order):
     """`propose(new_context=...)` writes the held rows' K/V inside the block's forward: the
     drafts, the logits and every page equal a write_context followed by propose."""
-    cases = [models.cases[4], models.cases[0], models.cases[2]]
-    splits = [c.length - 1 - 3 * i for i, c in enumerate(cases)]  # 1, 4 and 7 rows held
-    anchors = torch.tensor([c.next_token for c in cases])
-    lengths = [c.length for c in cases]
     fused_pool, written_pool = make_paged(order), make_paged(order)
-    tables = [fused_pool.allocate(c.length + K + 1) for c in cases]
+    batch = HeldBatch.of(models, fused_pool)
+    cases, tables = batch.cases, batch.tables
     for paged in (fused_pool, written_pool):
-        write_chunks(models.ours, paged, [(c, 0, s) for c, s in zip(cases, splits)], tables)
-    held = [(c, s, c.length) for c, s in zip(cases, splits)]
-    fused = models.ours.propose(anchors, lengths, tables, fused_pool.kv_caches, fused_pool.backend,
-                                new_context=new_context(held, tables))
-    write_chunks(models.ours, written_pool, held, tables)
-    written = models.ours.propose(anchors, lengths, tables, written_pool.kv_caches, written_pool.backend)
+        write_chunks(models.ours, paged, batch.written, tables)
+    fused = models.ours.propose(batch.anchors, batch.lengths, tables, fused_pool.kv_caches, fused_pool.backend,
+                                new_context=new_context(batch.held, tables))
+    write_chunks(models.ours, written_pool, batch.held, tables)
+    written = models.ours.propose(batch.anchors, batch.lengths, tables, written_pool.kv_caches, written_pool.backend)
     assert fused.token_ids.tolist() == written.token_ids.tolist()
     torch.testing.assert_close(fused.logits, written.logits, atol=LOGIT_ATOL, rtol=0)
     for i in fused_pool.kv_caches:
@@ -367,18 +395,14 @@ def test_compiled_proposals_match_the_reference(models, make_paged, order):
     compiled = DFlashDraftModel.from_pretrained(models.draft_dir, heads(models), torch.float32, CPU)
     config = CompileConfig(enabled=True, sizes=(K + 1, 2 * (K + 1), 4 * (K + 1)), background=False)
     compiled.use_compiled(config, models.target.get_input_embeddings().weight)
-    cases = [models.cases[4], models.cases[0], models.cases[2]]
-    splits = [c.length - 1 - 3 * i for i, c in enumerate(cases)]  # 1, 4 and 7 rows held
-    anchors = torch.tensor([c.next_token for c in cases])
-    lengths = [c.length for c in cases]
     compiled_pool, eager_pool = make_paged(order), make_paged(order)
-    tables = [compiled_pool.allocate(c.length + K + 1) for c in cases]
-    held = [(c, s, c.length) for c, s in zip(cases, splits)]
+    batch = HeldBatch.of(models, compiled_pool)
+    cases, tables = batch.cases, batch.tables
     outputs = []
     for model, paged in ((compiled, compiled_pool), (models.ours, eager_pool)):
-        write_chunks(model, paged, [(c, 0, s) for c, s in zip(cases, splits)], tables)
-        outputs.append(model.propose(anchors, lengths, tables, paged.kv_caches, paged.backend,
-                                     new_context=new_context(held, tables)))
+        write_chunks(model, paged, batch.written, tables)
+        outputs.append(model.propose(batch.anchors, batch.lengths, tables, paged.kv_caches, paged.backend,
+                                     new_context=new_context(batch.held, tables)))
     for i in compiled_pool.kv_caches:
         torch.testing.assert_close(compiled_pool.kv_caches[i], eager_pool.kv_caches[i], atol=1e-5, rtol=0)
     got = outputs[0]
@@ -391,7 +415,7 @@ def test_compiled_proposals_match_the_reference(models, make_paged, order):
     block, context = compiled.compiled_block.stats, compiled.compiled_context.stats
     padded = config.bucket(3 * (K + 1))
     assert padded > 3 * (K + 1) and block.steps == {padded: 1, K + 1: 1} and block.eager_steps == 0
-    held_rows = sum(c.length - s for c, s in zip(cases, splits))
+    held_rows = sum(end - start for _, start, end in batch.held)
     assert config.bucket(held_rows) > held_rows and context.steps == {config.bucket(held_rows): 1}
     assert context.eager_steps == 1  # the prompts' rows, past the largest bucket
 

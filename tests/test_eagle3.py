@@ -29,6 +29,7 @@ from draft_service.drafters import (
     load_drafter,
     resolve_kind,
 )
+from draft_service.drafters.base import FeatureDrafter
 from draft_service.eagle3_model import Eagle3ConfigError, default_aux_layer_ids
 from tests.eagle3_reference import HeadShape, build_reference, save_specforge, save_speculators
 from tests.tiny_models import PROMPTS, make_llama_family, make_qwen3
@@ -172,9 +173,9 @@ def test_drafts_equal_speculators_reference(name, checkpoints, session, hf_targe
 def test_context_grows_across_proposals(max_held_rows, checkpoints, session, hf_target, monkeypatch):
     """A sequence's context arriving over several steps (fewer drafts asked, none asked, a
     scratch draft overwritten) drafts what the reference drafts from the whole prefix; also
-    when the rows of steps without drafts are written as they come (past `MAX_HELD_ROWS`)."""
+    when the rows of steps without drafts are written as they come (past `max_held_rows`)."""
     if max_held_rows is not None:
-        monkeypatch.setattr("draft_service.drafters.eagle3.MAX_HELD_ROWS", max_held_rows)
+        monkeypatch.setattr(FeatureDrafter, "max_held_rows", max_held_rows)
     hf_model, tokenizer = hf_target
     reference, folders = checkpoints["qwen3-2-layers"]
     tokens, features = case(hf_model, tokenizer, "\n".join(PROMPTS[11:14]), aux_ids_of(reference.shape))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from tests.eagle3_reference import HeadShape, build_reference, save_specforge, save_speculators
-from tests.procs import REPO_ROOT, Service, free_port, stream_tokens
+from tests.procs import REPO_ROOT, Service, free_port, stream_tokens, wait_for_line
 from tests.tiny_models import PROMPTS, make_llama_family, make_qwen3
 
 pytestmark = pytest.mark.slow
@@ -102,12 +101,7 @@ def test_up_serves_your_own_target_and_eagle3_head(tmp_path):
         up = subprocess.Popen([sys.executable, "-m", "splitspec.cli", *args], cwd=REPO_ROOT, stdout=log,
                               stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while (match := READY.search(log_path.read_text(errors="replace"))) is None:
-            if up.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"splitspec up not ready:\n{log_path.read_text(errors='replace')}")
-            time.sleep(0.2)
-        address = match[1]
+        address = wait_for_line(up, log_path, READY, 300, poll_s=0.2)[1]
         drafted = 0
         for prompt in PROMPTS[:3]:
             plain, _ = generate(address, prompt, disable=True)

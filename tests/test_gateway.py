@@ -7,29 +7,33 @@ import asyncio
 import json
 import shutil
 import time
-from pathlib import Path
 
 import grpc
 import httpx2
-import openai
 import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import REPO_ROOT, Service, family_of, free_port, private_shm_dir, scrape_metrics, server_info, wait_idle
+from tests.procs import (
+    REPO_ROOT,
+    Service,
+    create_for_x,
+    family_of,
+    free_port,
+    openai_client,
+    private_shm_dir,
+    scrape_metrics,
+    server_info,
+    start_gateway,
+    wait_idle,
+)
 from tests.tiny_models import PROMPTS, make_qwen3
 
+# `openai` is imported by the tests that use it: make test-fast imports this module only to leave it out.
 MAX_BODY = 64 * 1024
 LONG = 400  # tokens: a stream that is still running when the test acts on it
 MODEL_LEN = 16384  # the stack's model length, so a stream can outlast a slow, busy test
 ENDLESS = MODEL_LEN - 256  # tokens: a stream that surely outlives the test acting on it
-
-
-def start_gateway(target: str, log_path: Path, *args: str) -> Service:
-    gateway = Service("splitspec.gateway.cli", ["--target", target, "--port", "0", *args], log_path,
-                      metrics_flag=False)
-    gateway.wait_listening()
-    return gateway
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +61,6 @@ def stack(tmp_path_factory):
             gateway.kill()
         target.kill()
         shutil.rmtree(shm, ignore_errors=True)
-
-
-@pytest.fixture
-def client(stack):
-    with openai.OpenAI(base_url=f"http://{stack['gateway']}/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(autouse=True)
@@ -316,6 +313,8 @@ def _error(exc_info, status: int) -> dict:
     ({"prompt": ""}, "prompt", "must not be empty"),
 ])
 def test_invalid_argument_is_400_naming_the_field(stack, client, fields, param, words):
+    import openai
+
     fields = {"prompt": PROMPTS[0], "max_tokens": 4, **fields}
     with pytest.raises(openai.BadRequestError) as exc_info:
         client.completions.create(model=stack["model"], **fields)
@@ -338,12 +337,10 @@ def test_invalid_argument_is_400_naming_the_field(stack, client, fields, param, 
     ("chat", {"extra_body": {"guided_json": {}}}, "guided_json"),
 ])
 def test_unsupported_parameters_are_400_saying_so(stack, client, endpoint, fields, param):
+    import openai
+
     with pytest.raises(openai.BadRequestError) as exc_info:
-        if endpoint == "completions":
-            client.completions.create(**{"model": stack["model"], "prompt": "x", "max_tokens": 2, **fields})
-        else:
-            client.chat.completions.create(**{"model": stack["model"], "max_tokens": 2,
-                                              "messages": [{"role": "user", "content": "x"}], **fields})
+        create_for_x(client, endpoint, stack["model"], 2, fields)
     error = _error(exc_info, 400)
     assert error["param"] == param and error["code"] == "unsupported_parameter", error
     assert "not supported" in error["message"] or "does not support" in error["message"], error
@@ -351,6 +348,8 @@ def test_unsupported_parameters_are_400_saying_so(stack, client, endpoint, field
 
 def test_queue_full_is_429(stack):
     """max-num-seqs 1 and max-waiting 1: a running stream, a waiting one, then a third → 429."""
+    import openai
+
     url = f"http://{stack['gateway']}/v1/completions"
     body = {"model": stack["model"], "prompt": PROMPTS[0], "max_tokens": ENDLESS, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -360,7 +359,7 @@ def test_queue_full_is_429(stack):
         with httpx2.Client(timeout=60) as http2, http2.stream("POST", url, json=body) as second:
             assert second.status_code == 200
             _wait_running(stack, 1, waiting=1)
-            with openai.OpenAI(base_url=f"http://{stack['gateway']}/v1", api_key="x", max_retries=0) as c:
+            with openai_client(stack["gateway"]) as c:
                 with pytest.raises(openai.RateLimitError) as exc_info:
                     c.completions.create(model=stack["model"], prompt=PROMPTS[1], max_tokens=2)
     error = _error(exc_info, 429)
@@ -372,6 +371,8 @@ def test_queue_full_is_429(stack):
 
 
 def test_unknown_model_is_404(stack, client):
+    import openai
+
     with pytest.raises(openai.NotFoundError) as exc_info:
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
     error = _error(exc_info, 404)
@@ -442,12 +443,14 @@ def test_docs_document_every_gateway_metric(stack):
 
 
 def test_target_unavailable_is_503(tmp_path):
+    import openai
+
     nowhere = f"127.0.0.1:{free_port()}"
     gateway = start_gateway(nowhere, tmp_path / "gateway.log")
     try:
         reply = httpx2.get(f"http://{gateway.address}/health", timeout=30)
         assert reply.status_code == 503 and reply.json()["status"] == "UNAVAILABLE"
-        with openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="x", max_retries=0) as c:
+        with openai_client(gateway.address) as c:
             with pytest.raises(openai.InternalServerError) as exc_info:
                 c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         error = _error(exc_info, 503)

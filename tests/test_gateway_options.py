@@ -10,15 +10,14 @@ import math
 import shutil
 
 import grpc
-import openai
 import pytest
 
 from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
-from tests.procs import Service, private_shm_dir, start_gateway, wait_drafter, wait_idle
+from tests.procs import Service, create_for_x, private_shm_dir, start_gateway, wait_drafter
 from tests.tiny_models import PROMPTS, make_qwen3
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # `openai` is imported by the test that uses it (collection stays cheap)
 TOP = 3
 
 
@@ -52,14 +51,6 @@ def stack(tmp_path_factory):
                 service.stop()
         drafter.kill()
         shutil.rmtree(shm, ignore_errors=True)
-
-
-@pytest.fixture
-def client(stack):
-    with openai.OpenAI(base_url=f"http://{stack['gateway']}/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
-        yield c
-    wait_idle(stack["target"])
 
 
 def grpc_choices(address: str, request: pb.GenerateRequest) -> tuple[dict, list, list]:
@@ -208,12 +199,10 @@ def test_seeded_sampling_with_n_equals_the_grpc_api(stack, client):
     ("chat", {"presence_penalty": 3}, "presence_penalty"),
 ])
 def test_out_of_range_options_are_400_naming_the_parameter(stack, client, endpoint, fields, param):
+    import openai
+
     with pytest.raises(openai.BadRequestError) as exc_info:
-        if endpoint == "completions":
-            client.completions.create(**{"model": stack["model"], "prompt": "x", "max_tokens": 4, **fields})
-        else:
-            client.chat.completions.create(**{"model": stack["model"], "max_tokens": 4,
-                                              "messages": [{"role": "user", "content": "x"}], **fields})
+        create_for_x(client, endpoint, stack["model"], 4, fields)
     error = exc_info.value.body
     assert exc_info.value.status_code == 400 and error["param"] == param, error
     assert error["message"].startswith(f"{param}: "), error

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.procs import REPO_ROOT
 
 ROOTS = ("common", "target_service", "draft_service", "splitspec", "bench", "scripts", "tests")
@@ -128,14 +130,19 @@ def wrong_way_arrows(graph: dict[str, set[str]]) -> list[str]:
     return problems
 
 
-def test_the_import_graph_has_no_circles():
-    graph = import_graph(project_modules())
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """The repository's import graph, read once for the checks below."""
+    return import_graph(project_modules())
+
+
+def test_the_import_graph_has_no_circles(graph):
     assert len(graph) > 80  # the whole tree was read
     assert circles(graph) == []
 
 
-def test_every_import_points_down_a_layer():
-    assert wrong_way_arrows(import_graph(project_modules())) == []
+def test_every_import_points_down_a_layer(graph):
+    assert wrong_way_arrows(graph) == []
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path):

@@ -8,6 +8,7 @@ from target_service.api_types import EngineRequest
 from target_service.page_manager import NO_EPOCH, PageManager, page_hash, root_hash
 from target_service.scheduler import Scheduler, SchedulerConfig
 from target_service.sequence import Sequence
+from tests.scheduler_steps import finish_step
 
 PAGE = 4
 
@@ -214,13 +215,6 @@ def test_double_free_is_caught():
         pm.free(a)
 
 
-def _step(out):
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_query_tokens
-        if s.seq.num_computed_tokens == s.seq.num_tokens:
-            s.seq.token_ids.append(7)
-
-
 def test_scheduler_admits_from_the_cache_and_reports_the_query():
     pm = PageManager(32, PAGE)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128), pm)
@@ -228,7 +222,7 @@ def test_scheduler_admits_from_the_cache_and_reports_the_query():
     sched.add(first)
     out = sched.schedule()
     assert out.prefix_queries == [(19, 0)]
-    _step(out)
+    finish_step(out)
     sched.remove(first)
     second = _seq(1, [*range(1, 20), 30, 31])
     sched.add(second)
@@ -236,7 +230,7 @@ def test_scheduler_admits_from_the_cache_and_reports_the_query():
     assert out.prefix_queries == [(21, 16)]
     assert [(s.seq.request_id, s.num_query_tokens) for s in out.scheduled] == [("r1", 5)]
     assert second.num_cached_tokens == 16 and second.usage().cached_tokens == 16
-    _step(out)
+    finish_step(out)
     sched.remove(second)
     pm.check_invariants()
 
@@ -247,10 +241,10 @@ def test_preempted_sequence_finds_its_own_pages_again():
     a, b = _seq(0, range(1, 13)), _seq(1, range(100, 112))
     sched.add(a)
     sched.add(b)
-    _step(sched.schedule())  # both prefilled: 3 + 3 pages of 8 (one token each generated)
+    finish_step(sched.schedule())  # both prefilled: 3 + 3 pages of 8 (one token each generated)
     for _ in range(5):  # decodes until b, admitted last, is preempted for a's pages
         out = sched.schedule()
-        _step(out)
+        finish_step(out)
         if out.preempted:
             break
     assert out.preempted == [b] and b.num_computed_tokens == 0
@@ -307,7 +301,7 @@ def test_scheduler_flood_of_distinct_prefixes_keeps_accounting_exact():
             sched.add(_seq(admitted, tokens))
             admitted += 1
         out = sched.schedule()
-        _step(out)
+        finish_step(out)
         for s in out.scheduled:
             if s.seq.num_computed_tokens == s.seq.num_tokens - 1 and s.seq.num_output_tokens >= 3:
                 sched.remove(s.seq)

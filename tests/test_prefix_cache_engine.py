@@ -18,7 +18,7 @@ from draft_service.local import LocalDrafterStub
 from target_service.api_types import EngineRequest, FinishReason, SamplingParams, StopParams
 from target_service.config import EngineConfig
 from target_service.engine import build_engine_core
-from tests.tiny_models import REFERENCE_DFLASH_K, TARGET_LAYERS, make_qwen3, make_reference_dflash
+from tests.tiny_models import REFERENCE_DFLASH_K
 
 K = REFERENCE_DFLASH_K
 PAGE = 8
@@ -27,24 +27,20 @@ KINDS = ("ngram", "draft_model", "dflash")
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, spec_models):
     """The target; a draft LM near it (the target's weights with noise: some drafts right,
     some wrong); a DFlash drafter for it."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
 
-    root = tmp_path_factory.mktemp("prefix-cache")
-    target = make_qwen3(root / "target", num_hidden_layers=TARGET_LAYERS)
-    near = root / "near"
+    target = spec_models.target
+    near = tmp_path_factory.mktemp("prefix-cache") / "near"
     shutil.copytree(target, near)
     weights = load_file(near / "model.safetensors")
     gen = torch.Generator().manual_seed(3)
     noisy = {name: (w + 0.6 * w.std() * torch.randn(w.shape, generator=gen)).contiguous()
              if w.dim() == 2 and "embed" not in name else w for name, w in weights.items()}
     save_file(noisy, near / "model.safetensors", metadata={"format": "pt"})
-    tok = AutoTokenizer.from_pretrained(target)
-    dflash = make_reference_dflash(root / "dflash", vocab_size=len(tok), mask_token_id=tok.mask_token_id)
-    return {"target": target, "draft_model": near, "dflash": dflash}
+    return {"target": target, "draft_model": near, "dflash": spec_models.dflash}
 
 
 def _core(checkpoints, shm_dir, kind: str | None, *, prefix_caching: bool = True, kv_dtype: str = "float32",
@@ -119,8 +115,16 @@ def _tokens(results) -> dict[str, list[int]]:
     return {rid: tokens for rid, (tokens, _) in results.items()}
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3"])
-@pytest.mark.parametrize("kind", KINDS)
+# Every drafter over float32 pages, and the n-gram drafter over fp8 pages (their scales in the
+# page hashes), run in make test-fast; the other low-precision pairs, a second or two of engine
+# steps each, are marked slow (make test runs them).
+WARM_CASES = [pytest.param(kind, kv_dtype, id=f"{kind}-{kv_dtype}",
+                           marks=() if kv_dtype == "float32" or (kind, kv_dtype) == ("ngram", "fp8_e4m3")
+                           else pytest.mark.slow)
+              for kv_dtype in ("float32", "bfloat16", "fp8_e4m3") for kind in KINDS]
+
+
+@pytest.mark.parametrize(("kind", "kv_dtype"), WARM_CASES)
 def test_warm_cache_output_equals_cache_off(checkpoints, tmp_path, kind, kv_dtype):
     for sampled in (False, True):
         requests = chat_requests("q", sampled)

@@ -61,7 +61,10 @@ def vocabulary_text(tokenizer) -> st.SearchStrategy[str]:
                      st.integers(1, 200))
 
 
-@pytest.mark.parametrize("name", ["demo", "tiny", "nfc"])
+# 300 generated texts a tokenizer, a second or two each: the NFC-normalized demo tokenizer (the
+# byte bound and the NFC factor at once) runs in make test-fast, the other two in make test.
+@pytest.mark.parametrize("name", [pytest.param("demo", marks=pytest.mark.slow),
+                                  pytest.param("tiny", marks=pytest.mark.slow), "nfc"])
 def test_a_text_past_the_bound_never_fits(tokenizers, name):
     tokenizer = tokenizers[name]
     bound = text_byte_bound(tokenizer, SMALL_MODEL_LEN)

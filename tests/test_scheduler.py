@@ -6,18 +6,11 @@ from target_service.api_types import EngineRequest
 from target_service.page_manager import OutOfPagesError, PageManager
 from target_service.scheduler import Scheduler, SchedulerConfig
 from target_service.sequence import Sequence, SequenceStatus
+from tests.scheduler_steps import finish_step
 
 
 def _seq(i, n):
     return Sequence.from_request(EngineRequest(f"r{i}", tuple(range(1, n + 1))), i)
-
-
-def _finish_step(out):
-    """Pretend the model ran: mark tokens computed, append one token to samplers."""
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_query_tokens
-        if s.seq.num_computed_tokens == s.seq.num_tokens:
-            s.seq.token_ids.append(7)
 
 
 def test_page_manager_allocate_free_roundtrip():
@@ -40,10 +33,10 @@ def test_chunked_prefill_respects_token_budget():
     sched.add(b)
     out = sched.schedule()
     assert [(s.seq.request_id, s.num_query_tokens) for s in out.scheduled] == [("r0", 10)]
-    _finish_step(out)
+    finish_step(out)
     out = sched.schedule()
     assert [(s.seq.request_id, s.num_query_tokens) for s in out.scheduled] == [("r0", 10)]
-    _finish_step(out)
+    finish_step(out)
     out = sched.schedule()  # the last 5 of r0, then r1 joins in the same step
     assert [(s.seq.request_id, s.num_query_tokens) for s in out.scheduled] == [("r0", 5), ("r1", 3)]
     assert all(s.samples for s in out.scheduled)
@@ -64,7 +57,7 @@ def test_preemption_by_recompute_when_pages_run_out():
     a, b = _seq(0, 4), _seq(1, 4)
     sched.add(a)
     sched.add(b)
-    _finish_step(sched.schedule())  # both prefilled: 1 page each, 5 tokens each now
+    finish_step(sched.schedule())  # both prefilled: 1 page each, 5 tokens each now
     out = sched.schedule()  # a needs a 2nd page (1 free), then b needs one too → b preempted
     assert [s.seq for s in out.scheduled] == [a]
     assert out.preempted == [b]
@@ -90,7 +83,7 @@ def test_lookahead_reserves_draft_slots_for_decodes_only():
     sched.add(s)
     out = sched.schedule(lookahead={0: 4})
     assert out.scheduled[0].num_lookahead_tokens == 0  # prefill
-    _finish_step(out)
+    finish_step(out)
     out = sched.schedule(lookahead={0: 4})
     assert (out.scheduled[0].num_query_tokens, out.scheduled[0].num_lookahead_tokens) == (1, 4)
     assert len(s.page_table) * 4 >= s.num_tokens + 4

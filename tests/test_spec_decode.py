@@ -1,6 +1,8 @@
 """The accept/reject rule: greedy prefix, and rejection sampling that keeps p exactly."""
 
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -14,6 +16,12 @@ CHI2_CRIT = {4: 18.467, 24: 51.179}
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _counts(outcomes, size: int) -> torch.Tensor:
+    """How often each of 0 .. size - 1 occurred, as a float tensor."""
+    found = Counter(outcomes)
+    return torch.tensor([float(found[i]) for i in range(size)])
 
 
 def test_greedy_acceptance():
@@ -32,16 +40,25 @@ P = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10])
 Q = torch.tensor([0.50, 0.05, 0.05, 0.10, 0.30])  # a badly mismatched drafter
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_rejection_sampling_keeps_target_distribution_first_token(one_hot):
+def _one_draft_trials(one_hot: bool, n: int = 20000) -> list[list[int]]:
+    """n verifies of one draft d ~ q against target rows [p, p] (K=1): what each emitted."""
     gen = make_generator(1234, torch.device("cpu"))
     target = torch.stack([P, P])  # K=1: [2, V]
-    counts = torch.zeros(5)
-    n = 20000
-    for _ in range(n):
-        d = int(torch.multinomial(Q, 1, generator=gen))
-        out = rejection_sample([d], target, None if one_hot else Q[None], gen)
-        counts[out[0]] += 1
+    drafts = torch.multinomial(Q, n, replacement=True, generator=gen).tolist()  # d ~ q, one at a time below
+    draft_probs = None if one_hot else Q[None]
+    return [rejection_sample([d], target, draft_probs, gen) for d in drafts]
+
+
+@pytest.fixture(scope="module")
+def one_hot_trials() -> list[list[int]]:
+    """The one-hot q trials, which the first-token and the acceptance-rate tests both read."""
+    return _one_draft_trials(one_hot=True)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rejection_sampling_keeps_target_distribution_first_token(one_hot, request):
+    trials = request.getfixturevalue("one_hot_trials") if one_hot else _one_draft_trials(one_hot=False)
+    counts = _counts((out[0] for out in trials), 5)
     assert _chi_square(counts, P) < CHI2_CRIT[4]
 
 
@@ -49,30 +66,24 @@ def test_rejection_sampling_keeps_joint_of_two_positions():
     """K=2 drafts from q; the (first, second) emitted tokens follow p ⊗ p."""
     gen = make_generator(7, torch.device("cpu"))
     target = torch.stack([P, P, P])
-    joint = torch.zeros(5, 5)
+    draft_probs = torch.stack([Q, Q])
     n = 30000
-    for _ in range(n):
-        drafts = [int(t) for t in torch.multinomial(Q, 2, replacement=True, generator=gen)]
-        out = rejection_sample(drafts, target, torch.stack([Q, Q]), gen)
-        if len(out) >= 2:
-            joint[out[0], out[1]] += 1
-        else:  # a rejection at position 0: the next token would come from p at the next step
-            joint[out[0], int(torch.multinomial(P, 1, generator=gen))] += 1
+    drafts = torch.multinomial(Q, 2 * n, replacement=True, generator=gen).view(n, 2).tolist()  # [n, K=2] ~ q
+    # a rejection at position 0: the next token would come from p at the next step
+    next_steps = torch.multinomial(P, n, replacement=True, generator=gen).tolist()
+    pairs = []
+    for draft, next_step in zip(drafts, next_steps):
+        out = rejection_sample(draft, target, draft_probs, gen)
+        pairs.append(5 * out[0] + (out[1] if len(out) >= 2 else next_step))
     expected = torch.outer(P, P).flatten()
-    assert _chi_square(joint.flatten(), expected) < CHI2_CRIT[24]
+    assert _chi_square(_counts(pairs, 25), expected) < CHI2_CRIT[24]
 
 
-def test_acceptance_rate_matches_theory():
+def test_acceptance_rate_matches_theory(one_hot_trials):
     """With one-hot q at d ~ q, P(accept) = sum_d q(d) p(d)."""
-    gen = make_generator(3, torch.device("cpu"))
-    target = torch.stack([P, P])
-    accepted = 0
-    n = 20000
-    for _ in range(n):
-        d = int(torch.multinomial(Q, 1, generator=gen))
-        out = rejection_sample([d], target, None, gen)
-        accepted += len(out) == 2
-    assert accepted / n == pytest.approx(float((P * Q).sum()), abs=0.015)
+    n = len(one_hot_trials)
+    accepted = sum(len(out) == 2 for out in one_hot_trials)
+    assert n == 20000 and accepted / n == pytest.approx(float((P * Q).sum()), abs=0.015)
 
 
 def _rejection_sample_per_token(draft, target_probs, draft_probs, generator):

@@ -19,7 +19,7 @@ from splitspec.v1 import generation_pb2 as pb
 from splitspec.v1 import generation_pb2_grpc as pb_grpc
 from target_service.api_types import InvalidRequestError, StructuredOutputKind, StructuredOutputParams
 from target_service.structured_output import GrammarCompiler, GrammarLimits, constrain_rows
-from tests.procs import Service, private_shm_dir, stream_tokens, wait_idle
+from tests.procs import Service, create_for_x, openai_client, private_shm_dir, stream_tokens, wait_idle
 from tests.tiny_models import PROMPTS, make_tokenizer
 
 KIND = StructuredOutputKind
@@ -385,9 +385,7 @@ def gateway(target_only, tmp_path_factory):
 
 @pytest.fixture
 def client(gateway):
-    import openai
-
-    with openai.OpenAI(base_url=f"http://{gateway}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(gateway, timeout=120) as c:
         yield c
 
 
@@ -486,10 +484,6 @@ def test_bad_structured_output_is_400_naming_the_parameter(client, models, endpo
     import openai
 
     with pytest.raises(openai.BadRequestError) as exc_info:
-        if endpoint == "completions":
-            client.completions.create(**{"model": str(models.target), "prompt": "x", "max_tokens": 2, **fields})
-        else:
-            client.chat.completions.create(**{"model": str(models.target), "max_tokens": 2,
-                                              "messages": _chat("x"), **fields})
+        create_for_x(client, endpoint, str(models.target), 2, fields)
     error = exc_info.value.body if "message" in (exc_info.value.body or {}) else exc_info.value.body["error"]
     assert error["param"] == param and words in error["message"], error

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from splitspec.tiny_models import PROMPTS, make_qwen3, make_tokenizer, qwen3_config  # noqa: F401 (re-exported)
+from splitspec.tiny_models import PROMPTS, TINY_SHAPE, make_qwen3, make_tokenizer, qwen3_config  # noqa: F401 (re-exported)
 
 # The reference DFlash drafter's shape: it drafts K tokens per block from the hidden states of
 # target layers TARGET_LAYER_IDS of a TARGET_LAYERS-layer target.
@@ -61,24 +61,10 @@ def make_reference_dflash(
     purpose. Projections are scaled up so that the context and the block matter, and the
     final norm so that greedy choices are not near-ties."""
     from dflash.model import DFlashDraftModel as ReferenceDraft
-    from transformers import Qwen3Config
 
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        num_target_layers=TARGET_LAYERS,
-        dflash_config={
-            "mask_token_id": mask_token_id, "target_layer_ids": TARGET_LAYER_IDS, "block_size": REFERENCE_DFLASH_K + 1
-        },
-    )
+    dflash = {"mask_token_id": mask_token_id, "target_layer_ids": TARGET_LAYER_IDS, "block_size": REFERENCE_DFLASH_K + 1}
+    config = qwen3_config(vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_key_value_heads=1,
+                          head_dim=32, num_target_layers=TARGET_LAYERS, dflash_config=dflash)
     torch.manual_seed(seed)
     model = ReferenceDraft(config).eval()
     with torch.no_grad():
@@ -96,18 +82,8 @@ def make_llama_family(out_dir: Path, model_type: str, **overrides) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = make_tokenizer(out_dir)
-    fields = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    fields = dict(vocab_size=len(tokenizer), **TINY_SHAPE, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
     fields.update(overrides)
     if model_type == "llama":
         rope = dict(

@@ -190,7 +190,16 @@ class Drafter:
         return ORDERS
 
     def check_target(self, target: TargetInfo) -> None:
-        """Raise IncompatibleTargetError naming both values of every mismatch."""
+        """Raise IncompatibleTargetError naming both values of every mismatch: the vocabulary
+        (where the drafter has one), then what `target_mismatches` finds."""
+        problems = []
+        if self.vocab_size is not None and target.vocab_size != self.vocab_size:
+            problems.append(mismatch("vocab_size", target.vocab_size, self.vocab_size))
+        raise_mismatches(problems + self.target_mismatches(target))
+
+    def target_mismatches(self, target: TargetInfo) -> list[str]:
+        """The kind's own incompatibilities with `target` besides the vocabulary, each a `mismatch`."""
+        return []
 
     @property
     def needs_pool(self) -> bool:
@@ -285,10 +294,13 @@ class PooledDrafter(Drafter):
     extra_kv_slots = 0
 
     def __init__(self, cache_config: CacheConfig, model: torch.nn.Module, num_speculative_tokens: int,
-                 attention_backend: str = "auto", *, max_speculative_tokens: int | None = None) -> None:
+                 attention_backend: str = "auto", *, model_id: str = "",
+                 max_speculative_tokens: int | None = None) -> None:
         params = next(model.parameters())
         super().__init__(cache_config, params.device, num_speculative_tokens,
                          max_speculative_tokens=max_speculative_tokens)
+        self.model = model
+        self.model_id = model_id
         self._backend = None  # an AttentionBackend over the bound layout
         self._kv_caches: dict[int, torch.Tensor] = {}
         self.attention_backend = attention_backend  # --attention-backend
@@ -328,16 +340,16 @@ class PooledDrafter(Drafter):
                                     device=self.device)  # [scratch pages, 2, <page shape>]
             for spec in (layout.layer("draft", s.index) for s in self.layer_specs())
         }
-        self._warmup(caches, list(range(num_pages)))
+        self._warmup(caches, list(range(num_pages)), WARMUP_CONTEXT)
         sync_for_handoff(self.device)
         seconds = time.monotonic() - started
         log.info("warmed the %s attention backend in %.2f s (scratch pages, %s, page %d, %s)",
                  self._backend.name, seconds, layout.kv_dtype, layout.page_size, layout.order)
         return seconds
 
-    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
-        """One scratch sequence of WARMUP_CONTEXT tokens in `page_table`, through every
-        kind of attention step the drafter runs."""
+    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int], ctx: int) -> None:
+        """One scratch sequence of `ctx` context tokens in `page_table`, through every kind of
+        attention step the drafter runs."""
         raise NotImplementedError
 
     def draft_room(self, seq: DraftSequence) -> int:
@@ -347,3 +359,57 @@ class PooledDrafter(Drafter):
     def _draft_counts(self, items: list[ProposeItem]) -> list[tuple[DraftSequence, int]]:
         """(sequence, k) for the items that want drafts (k already bounded by the host: `draft_room`)."""
         return [(seq, k) for seq, _rows, k in items if k > 0]
+
+
+class FeatureDrafter(PooledDrafter):
+    """A pooled drafter that reads the target's hidden states (DFlash, EAGLE-3): each
+    sequence's staging rows are copied out and held (`DraftSequence.held_rows`) until it
+    drafts, when they go through the same forward as its drafting; a sequence that drafts
+    nothing has its context K/V written once it holds `max_held_rows`."""
+
+    # Rows a sequence may hold before its context K/V is written even though it drafts no
+    # more (bounds the drafter's memory: 256 rows of 3 target layers x 256 floats are 768 KB).
+    max_held_rows = 256
+    # What the target must be: its hidden size (that of the features), and the fingerprint of
+    # the embedding and lm_head the drafter borrows from it ("" when it has its own).
+    target_hidden_size: int
+    embed_fingerprint: str = ""
+
+    def __init__(self, cache_config: CacheConfig, model: torch.nn.Module, num_speculative_tokens: int,
+                 attention_backend: str = "auto", *, model_id: str = "",
+                 max_speculative_tokens: int | None = None) -> None:
+        super().__init__(cache_config, model, num_speculative_tokens, attention_backend, model_id=model_id,
+                         max_speculative_tokens=max_speculative_tokens)
+        self.feature_width = model.feature_width
+
+    def target_mismatches(self, target: TargetInfo) -> list[str]:
+        problems = []
+        if target.hidden_size != self.target_hidden_size:
+            problems.append(mismatch("hidden_size", target.hidden_size, self.target_hidden_size))
+        if self.embed_fingerprint and target.fingerprint != self.embed_fingerprint:
+            problems.append(mismatch("fingerprint of embedding/lm_head", target.fingerprint or "(none)",
+                                     self.embed_fingerprint))
+        if (needs := self.layers_lacking(target)) is not None:
+            problems.append(mismatch("num_layers", target.num_layers, needs))
+        return problems
+
+    def layers_lacking(self, target: TargetInfo) -> str | None:
+        """What the drafter needs of the target's layers that `target` lacks; None when it has them."""
+        raise NotImplementedError
+
+    def _hold(self, items: list[ProposeItem]) -> None:
+        """Hold every item's new rows; the sequences drafting nothing now that hold too many
+        (`_holds_too_many`) have their context K/V written."""
+        drafting = {seq.seq_id for seq, _, k in items if k > 0}
+        for seq, rows, _ in items:
+            if rows is not None and rows.shape[0] > 0:
+                seq.held_rows.append(rows)
+        self._write_context([seq for seq, _, _ in items
+                             if seq.seq_id not in drafting and self._holds_too_many(seq)])
+
+    def _holds_too_many(self, seq: DraftSequence) -> bool:
+        return seq.held_count >= self.max_held_rows
+
+    def _write_context(self, seqs: list[DraftSequence]) -> None:
+        """Write the context K/V of the rows `seqs` hold (batched), without drafting."""
+        raise NotImplementedError

@@ -22,24 +22,13 @@ from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
 from draft_service.dflash_model import DFlashDraftModel, NewContext, TargetHeads
-from draft_service.drafters.base import (
-    WARMUP_CONTEXT,
-    DraftSequence,
-    PooledDrafter,
-    ProposeItem,
-    TargetInfo,
-    mismatch,
-    raise_mismatches,
-)
+from draft_service.drafters.base import DraftSequence, FeatureDrafter, ProposeItem, TargetInfo
 from draft_service.target_heads import load_target_heads
 
 log = logging.getLogger(__name__)
 
-# Rows a sequence may hold before its context K/V is written even though it drafts no
-# more (bounds the drafter's memory: 256 rows of 3 target layers x 256 floats are 768 KB).
-MAX_HELD_ROWS = 256
 
-class DFlashDrafter(PooledDrafter):
+class DFlashDrafter(FeatureDrafter):
     kind = "dflash"
     extra_kv_slots = 1  # the block [last token, mask x k] spans positions last .. last + k
 
@@ -55,12 +44,11 @@ class DFlashDrafter(PooledDrafter):
     ) -> None:
         limit = model.num_speculative_tokens
         super().__init__(cache_config, model, limit if num_speculative_tokens is None else num_speculative_tokens,
-                         attention_backend, max_speculative_tokens=limit)
-        self.model = model
+                         attention_backend, model_id=model_id, max_speculative_tokens=limit)
         self.heads = heads
-        self.model_id = model_id
         self.vocab_size = heads.vocab_size
-        self.feature_width = model.feature_width
+        self.target_hidden_size = model.hidden_size
+        self.embed_fingerprint = heads.fingerprint()
         if compile:
             model.use_compiled(self.compile_config(), heads.model.embed_tokens.weight)
 
@@ -94,36 +82,21 @@ class DFlashDrafter(PooledDrafter):
     def target_layer_ids(self) -> list[int]:
         return self.model.target_layer_ids
 
-    def check_target(self, target: TargetInfo) -> None:
-        problems = []
-        if target.vocab_size != self.heads.vocab_size:
-            problems.append(mismatch("vocab_size", target.vocab_size, self.heads.vocab_size))
-        if target.hidden_size != self.model.hidden_size:
-            problems.append(mismatch("hidden_size", target.hidden_size, self.model.hidden_size))
-        fingerprint = self.heads.fingerprint()
-        if target.fingerprint != fingerprint:
-            problems.append(mismatch("fingerprint of embedding/lm_head", target.fingerprint or "(none)", fingerprint))
-        if max(self.model.target_layer_ids) >= target.num_layers:
-            problems.append(mismatch("num_layers", target.num_layers, f"needs layers {self.model.target_layer_ids}"))
-        raise_mismatches(problems)
+    def layers_lacking(self, target: TargetInfo) -> str | None:
+        ids = self.model.target_layer_ids
+        return f"needs layers {ids}" if max(ids) >= target.num_layers else None
 
     # -- drafting -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
         """Context K/V is written lazily: a sequence's rows are held until it drafts (or holds
-        MAX_HELD_ROWS), so steps that send context without asking for drafts cost a copy; a
+        `max_held_rows`), so steps that send context without asking for drafts cost a copy; a
         drafting sequence's held rows go through the same forward as its block."""
-        for seq, rows, _ in items:
-            if rows is not None and rows.shape[0] > 0:
-                seq.held_rows.append(rows)
-        counts = self._draft_counts(items)
-        drafting = {seq.seq_id for seq, _ in counts}
-        self._write_context([seq for seq, _, _ in items
-                             if seq.seq_id not in drafting and seq.held_count >= MAX_HELD_ROWS])
+        self._hold(items)
         # Block slots p .. p + block lie in the sequence's pages; p >= 1 context token, every
         # one of them written or held.
-        wanted = [(seq, k, self._block_for(seq, k)) for seq, k in counts
+        wanted = [(seq, k, self._block_for(seq, k)) for seq, k in self._draft_counts(items)
                   if seq.num_context + seq.held_count == seq.context_len >= 1]
         drafts: dict[int, list[int]] = {}
         by_block = sorted(wanted, key=lambda item: item[2])
@@ -180,9 +153,8 @@ class DFlashDrafter(PooledDrafter):
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),  # [Tc]
         )
 
-    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
+    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int], ctx: int) -> None:
         """The context write and one block of K drafts (DFlash's non-causal attention)."""
-        ctx = WARMUP_CONTEXT
         meta = AttentionMetadata.build(query_lens=[ctx], seq_lens=[ctx], page_tables=[page_table],
                                        page_size=self.layout.page_size, device=self.device)
         features = torch.zeros(ctx, self.feature_width, dtype=self.model.dtype, device=self.device)  # [ctx, width]
@@ -192,7 +164,7 @@ class DFlashDrafter(PooledDrafter):
         self.model.propose(last, [ctx], [page_table], kv_caches, self._backend, num_tokens=self.num_speculative_tokens)
 
     def _write_context(self, seqs: list[DraftSequence]) -> None:
-        """Context K/V of the rows each sequence holds: positions num_context ..; batched."""
+        """Positions num_context .. of each sequence: every row it holds."""
         if not seqs:
             return
         pending = [(seq, torch.cat(seq.held_rows) if len(seq.held_rows) > 1 else seq.held_rows[0]) for seq in seqs]

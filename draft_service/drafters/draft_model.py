@@ -19,16 +19,7 @@ from common.compiled_forward import CompileConfig, CompiledForward, decoder_stac
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
-from draft_service.drafters.base import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS,
-    WARMUP_CONTEXT,
-    DraftSequence,
-    PooledDrafter,
-    ProposeItem,
-    TargetInfo,
-    mismatch,
-    raise_mismatches,
-)
+from draft_service.drafters.base import DraftSequence, PooledDrafter, ProposeItem
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +28,10 @@ class DraftModelDrafter(PooledDrafter):
     kind = "draft_model"
 
     def __init__(self, model: Qwen3ForCausalLM, cache_config: CacheConfig,
-                 num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, model_id: str = "",
+                 num_speculative_tokens: int, model_id: str = "",
                  attention_backend: str = "auto", compile_config: CompileConfig = CompileConfig()) -> None:
-        super().__init__(cache_config, model, num_speculative_tokens, attention_backend)
-        self.model = model
+        super().__init__(cache_config, model, num_speculative_tokens, attention_backend, model_id=model_id)
         self.compiled = CompiledForward(decoder_stack(model), compile_config)  # its K single-token steps and catch-ups
-        self.model_id = model_id
         self.vocab_size = model.vocab_size
 
     @classmethod
@@ -57,12 +46,6 @@ class DraftModelDrafter(PooledDrafter):
 
     def layer_specs(self) -> list[LayerSpec]:
         return [dataclasses.replace(spec, owner="draft") for spec in self.model.kv_layer_specs()]
-
-    def check_target(self, target: TargetInfo) -> None:
-        problems = []
-        if target.vocab_size != self.model.vocab_size:
-            problems.append(mismatch("vocab_size", target.vocab_size, self.model.vocab_size))
-        raise_mismatches(problems)
 
     # -- drafting -------------------------------------------------------------------------
 
@@ -101,9 +84,8 @@ class DraftModelDrafter(PooledDrafter):
         return self._forward(tokens, positions, [1] * len(seqs), [p + 1 for p in positions],
                              [seq.page_table for seq in seqs])
 
-    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
+    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int], ctx: int) -> None:
         """A prefill of the scratch context, then one decode step after it."""
-        ctx = WARMUP_CONTEXT
         self._forward([0] * ctx, list(range(ctx)), [ctx], [ctx], [page_table], kv_caches)
         self._forward([0], [ctx], [1], [ctx + 1], [page_table], kv_caches)
 

@@ -23,36 +23,22 @@ from common.attention_metadata import AttentionMetadata
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.weights import load_config, resolve_model_path
-from draft_service.drafters.base import (
-    DEFAULT_NUM_SPECULATIVE_TOKENS,
-    WARMUP_CONTEXT,
-    DraftSequence,
-    PooledDrafter,
-    ProposeItem,
-    TargetInfo,
-    mismatch,
-    raise_mismatches,
-)
+from draft_service.drafters.base import DraftSequence, FeatureDrafter, ProposeItem, TargetInfo
 from draft_service.eagle3_model import Eagle3DraftModel, default_aux_layer_ids, read_eagle3_config
 
 log = logging.getLogger(__name__)
 
-# Rows a sequence may hold before its context K/V is written even though it drafts no more.
-MAX_HELD_ROWS = 256
 
-
-class Eagle3Drafter(PooledDrafter):
+class Eagle3Drafter(FeatureDrafter):
     kind = "eagle3"
 
     def __init__(self, model: Eagle3DraftModel, cache_config: CacheConfig,
-                 num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS, model_id: str = "",
+                 num_speculative_tokens: int, model_id: str = "",
                  attention_backend: str = "auto", embed_fingerprint: str = "",
                  target_num_layers: int | None = None) -> None:
-        super().__init__(cache_config, model, num_speculative_tokens, attention_backend)
-        self.model = model
-        self.model_id = model_id
+        super().__init__(cache_config, model, num_speculative_tokens, attention_backend, model_id=model_id)
         self.vocab_size = model.config.vocab_size
-        self.feature_width = model.feature_width
+        self.target_hidden_size = model.config.target_hidden_size
         self.embed_fingerprint = embed_fingerprint  # of the target's embedding it borrows ("" when its own)
         configured = model.config.aux_layer_ids
         # Known now when the checkpoint names them or the target's depth is known; else at Negotiate.
@@ -91,34 +77,24 @@ class Eagle3Drafter(PooledDrafter):
         return [i - 1 for i in self.aux_layer_ids]
 
     def check_target(self, target: TargetInfo) -> None:
-        config = self.model.config
-        ids = config.aux_layer_ids or default_aux_layer_ids(target.num_layers)
-        problems = []
-        if target.vocab_size != config.vocab_size:
-            problems.append(mismatch("vocab_size", target.vocab_size, config.vocab_size))
-        if target.hidden_size != config.target_hidden_size:
-            problems.append(mismatch("hidden_size", target.hidden_size,
-                                     f"{config.target_hidden_size} (target_hidden_size)"))
-        if self.embed_fingerprint and target.fingerprint != self.embed_fingerprint:
-            problems.append(mismatch("fingerprint of embedding/lm_head", target.fingerprint or "(none)",
-                                     self.embed_fingerprint))
-        if any(not 1 <= i < target.num_layers for i in ids):
-            needs = f"eagle_aux_hidden_state_layer_ids {list(ids)} need ids in 1..num_layers - 1"
-            problems.append(mismatch("num_layers", target.num_layers, needs))
-        raise_mismatches(problems)
-        self.aux_layer_ids = tuple(ids)
+        super().check_target(target)
+        self.aux_layer_ids = self._aux_layer_ids(target)
+
+    def _aux_layer_ids(self, target: TargetInfo) -> tuple[int, ...]:
+        return tuple(self.model.config.aux_layer_ids or default_aux_layer_ids(target.num_layers))
+
+    def layers_lacking(self, target: TargetInfo) -> str | None:
+        ids = self._aux_layer_ids(target)
+        if all(1 <= i < target.num_layers for i in ids):
+            return None
+        return f"eagle_aux_hidden_state_layer_ids {list(ids)} need ids in 1..num_layers - 1"
 
     # -- drafting -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> dict[int, list[int]]:
-        for seq, rows, _ in items:
-            if rows is not None and rows.shape[0] > 0:
-                seq.held_rows.append(rows)
+        self._hold(items)
         counts = [(seq, k) for seq, k in self._draft_counts(items) if self._rows_cover_context(seq)]
-        drafting = {seq.seq_id for seq, _ in counts}
-        self._write_context([seq for seq, _, _ in items if seq.seq_id not in drafting
-                             and seq.held_count > MAX_HELD_ROWS and self._rows_cover_context(seq)])
         if not counts:
             return {}
         seqs = [seq for seq, _ in counts]
@@ -138,6 +114,10 @@ class Eagle3Drafter(PooledDrafter):
     def _rows_cover_context(seq: DraftSequence) -> bool:
         """Every context position has its K/V written or its feature row held (and there is one)."""
         return seq.num_context + seq.held_count == seq.context_len >= 1
+
+    def _holds_too_many(self, seq: DraftSequence) -> bool:
+        """The newest row stays held (the next proposal's query): too many beyond it."""
+        return seq.held_count > self.max_held_rows and self._rows_cover_context(seq)
 
     def _first_step(self, seqs: list[DraftSequence]) -> torch.Tensor:
         """Every held row through the head, its last row the query of draft 1; the pre-norm
@@ -194,9 +174,8 @@ class Eagle3Drafter(PooledDrafter):
         caches = self._kv_caches if kv_caches is None else kv_caches
         return self.model(input_ids, hidden, pos, meta, caches, self._backend)  # [T, hidden]
 
-    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int]) -> None:
+    def _warmup(self, kv_caches: dict[int, torch.Tensor], page_table: list[int], ctx: int) -> None:
         """The first step over a scratch context, then one single-row draft step."""
-        ctx = WARMUP_CONTEXT
         page_size = self.layout.page_size
         meta = AttentionMetadata.build(query_lens=[ctx], seq_lens=[ctx], page_tables=[page_table],
                                        page_size=page_size, device=self.device)

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -221,6 +221,19 @@ class Generation:
             self.first_text_at = time.perf_counter()
             self.gateway.metrics.ttft.labels(self.endpoint).observe(self.first_text_at - self.arrival)
 
+    def take_chunk(self, chunk: pb.Chunk, shape: Shape) -> None:
+        """A chunk of a choice the request did not ask for is the target's fault (502); text is
+        timed as the first text."""
+        if chunk.index >= shape.choices:
+            raise OpenAIError(502, f"the target sent choice {chunk.index} of {shape.choices}", "upstream_error")
+        if chunk.text:
+            self.saw_text()
+
+    def target_error(self, exc: grpc.aio.AioRpcError) -> OpenAIError:
+        """The target's failure, counted, as the OpenAI error it maps to."""
+        self.gateway.metrics.target_errors.labels(exc.code().name).inc()
+        return from_rpc_error(exc, self.aliases)
+
     def done(self, complete: pb.Complete | None) -> None:
         """Record the end, once (complete is None: the client went away or the call failed)."""
         if self.finished:
@@ -265,20 +278,20 @@ async def collect(gen: Generation, shape: Shape) -> Collected:
     try:
         async for response in gen.call:
             if response.HasField("chunk"):
-                if response.chunk.index >= shape.choices:
-                    raise OpenAIError(502, f"the target sent choice {response.chunk.index} of {shape.choices}",
-                                      "upstream_error")
-                if response.chunk.text:
-                    gen.saw_text()
+                gen.take_chunk(response.chunk, shape)
                 collected.add(response.chunk)
             elif response.complete.index < shape.choices:
                 collected.choices[response.complete.index].complete = response.complete
     except grpc.aio.AioRpcError as exc:
-        gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
-        raise from_rpc_error(exc, gen.aliases) from None
-    if len(collected.completes()) != shape.choices:
-        raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
+        raise gen.target_error(exc) from None
+    check_completes(collected.completes(), shape)
     return collected
+
+
+def check_completes(completes: list[pb.Complete], shape: Shape) -> None:
+    """Every choice ended with its Complete, or the target's stream was cut short (502)."""
+    if len(completes) != shape.choices:
+        raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -355,25 +368,19 @@ async def stream_events(gen: Generation, shape: Shape, chunk_events, finish_even
     try:
         async for response in gen.call:
             if response.HasField("chunk"):
-                if response.chunk.index >= shape.choices:
-                    raise OpenAIError(502, f"the target sent choice {response.chunk.index} of {shape.choices}",
-                                      "upstream_error")
-                if response.chunk.text:
-                    gen.saw_text()
+                gen.take_chunk(response.chunk, shape)
                 for event in chunk_events(response.chunk):
                     yield event
             else:
                 completes.append(response.complete)
                 yield finish_event(response.complete)
-        if len(completes) != shape.choices:
-            raise OpenAIError(502, "the target ended the stream without a Complete message", "upstream_error")
+        check_completes(completes, shape)
         if include_usage:
             yield usage_event(convert.usage(*(c.usage for c in completes)))
         yield "[DONE]"
     except grpc.aio.AioRpcError as exc:
         failed = True
-        gen.gateway.metrics.target_errors.labels(exc.code().name).inc()
-        yield _error_event(from_rpc_error(exc, gen.aliases))
+        yield _error_event(gen.target_error(exc))
     except OpenAIError as exc:
         failed = True
         yield _error_event(exc)
@@ -510,6 +517,27 @@ def chat_events(gen: Generation, shape: Shape, include_usage: bool) -> AsyncIter
 # ---------------------------------------------------------------- the app
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What tells the two generating endpoints apart: their request model, its checks, the
+    response id's prefix, the GenerateRequest it becomes, and the response (whole or streamed)."""
+
+    path: str
+    request_model: type[pydantic.BaseModel]
+    check: Callable[[pydantic.BaseModel], OpenAIError | None]
+    id_prefix: str
+    to_proto: Callable[[pydantic.BaseModel, str], pb.GenerateRequest]
+    body: Callable[[Generation, Shape, Collected], pydantic.BaseModel]
+    events: Callable[[Generation, Shape, bool], AsyncIterator[str]]
+
+
+ENDPOINTS = (
+    Endpoint(COMPLETIONS, CompletionRequest, check_completion, "cmpl", convert.completion_request, completion_body,
+             completion_events),
+    Endpoint(CHAT, ChatCompletionRequest, check_chat, "chatcmpl", convert.chat_request, chat_body, chat_events),
+)
+
+
 def _record_status(gateway: Gateway):
     """Pure ASGI middleware: splitspec_gateway_requests_total{endpoint, status}. An error no
     handler mapped is answered here, in OpenAI's shape, as a 500 that is counted too (past
@@ -583,35 +611,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
 
-    @app.post(COMPLETIONS)
-    async def completions(request: Request) -> Response:
+    async def generate(request: Request, endpoint: Endpoint) -> Response:
         arrival = time.perf_counter()
-        req = await parse(request, CompletionRequest, config)
-        if (found := check_completion(req)) is not None:
+        req = await parse(request, endpoint.request_model, config)
+        if (found := endpoint.check(req)) is not None:
             raise found
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        plan = Plan.of(req, convert.completion_request(req, request_id))
+        request_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        plan = Plan.of(req, endpoint.to_proto(req, request_id))
         del req  # a prompt of token ids is 28 bytes a Python int: keep only the protobuf's 4 a token
-        gen = await start(gateway, COMPLETIONS, request_id, await check_model(gateway, plan.model), plan.request,
+        gen = await start(gateway, endpoint.path, request_id, await check_model(gateway, plan.model), plan.request,
                           arrival, plan.aliases)
         if plan.stream:
-            return respond_stream(gen, completion_events(gen, plan.shape(), plan.include_usage))
-        return await respond_whole(request, gen, plan.shape(), completion_body)
+            return respond_stream(gen, endpoint.events(gen, plan.shape(), plan.include_usage))
+        return await respond_whole(request, gen, plan.shape(), endpoint.body)
 
-    @app.post(CHAT)
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.perf_counter()
-        req = await parse(request, ChatCompletionRequest, config)
-        if (found := check_chat(req)) is not None:
-            raise found
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        plan = Plan.of(req, convert.chat_request(req, request_id))
-        del req
-        gen = await start(gateway, CHAT, request_id, await check_model(gateway, plan.model), plan.request, arrival,
-                          plan.aliases)
-        if plan.stream:
-            return respond_stream(gen, chat_events(gen, plan.shape(), plan.include_usage))
-        return await respond_whole(request, gen, plan.shape(), chat_body)
+    def handler(endpoint: Endpoint):
+        async def handle(request: Request) -> Response:
+            return await generate(request, endpoint)
+
+        return handle
+
+    for endpoint in ENDPOINTS:
+        app.post(endpoint.path)(handler(endpoint))
 
     @app.get("/v1/models")
     async def models() -> Response:

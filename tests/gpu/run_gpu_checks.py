@@ -60,6 +60,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from splitspec.cli_args import positive_int  # noqa: E402
+
 SECTIONS = ("env", "jit", "ipc", "parity", "split_stack", "step_times")
 # Seconds each section may take at most (run.sh's whole run must fit 8 minutes from a
 # cold start), and at least for it to be worth starting.
@@ -99,23 +101,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--section-out", type=Path, help=argparse.SUPPRESS)  # where that section writes its result
     p.add_argument("--prior", type=Path, help=argparse.SUPPRESS)  # the report so far (earlier sections)
     g = p.add_argument_group("step times (defaults: Qwen3-8B with a 5-layer DFlash drafter)")
-    g.add_argument("--num-speculative-tokens", "-k", type=_positive, default=8, help="K (the demo pair's: 8)")
-    g.add_argument("--context-len", type=_positive, default=1024, help="tokens already in the KV cache")
-    g.add_argument("--batch", type=_positive, default=1, help="sequences per step")
+    g.add_argument("--num-speculative-tokens", "-k", type=positive_int, default=8, help="K (the demo pair's: 8)")
+    g.add_argument("--context-len", type=positive_int, default=1024, help="tokens already in the KV cache")
+    g.add_argument("--batch", type=positive_int, default=1, help="sequences per step")
     g.add_argument("--kv-dtype", default="fp8_e4m3", choices=("fp8_e4m3", "bfloat16"), help="KV page dtype")
-    g.add_argument("--iters", type=_positive, default=20, help="timed iterations per measurement")
-    g.add_argument("--warmup", type=_positive, default=3, help="untimed iterations first")
-    g.add_argument("--target-layers", type=_positive, default=36)
-    g.add_argument("--draft-layers", type=_positive, default=5)
-    g.add_argument("--hidden-size", type=_positive, default=4096)
-    g.add_argument("--intermediate-size", type=_positive, default=12288)
-    g.add_argument("--vocab-size", type=_positive, default=151936)
-    g.add_argument("--tau", type=_positive, default=3, help="context tokens the drafter writes per draft step")
+    g.add_argument("--iters", type=positive_int, default=20, help="timed iterations per measurement")
+    g.add_argument("--warmup", type=positive_int, default=3, help="untimed iterations first")
+    g.add_argument("--target-layers", type=positive_int, default=36)
+    g.add_argument("--draft-layers", type=positive_int, default=5)
+    g.add_argument("--hidden-size", type=positive_int, default=4096)
+    g.add_argument("--intermediate-size", type=positive_int, default=12288)
+    g.add_argument("--vocab-size", type=positive_int, default=151936)
+    g.add_argument("--tau", type=positive_int, default=3, help="context tokens the drafter writes per draft step")
     s = p.add_argument_group("split stack")
     s.add_argument("--demo-target", type=Path, default=DEMO_DIR / "target", help="target checkpoint")
     s.add_argument("--demo-drafter", type=Path, default=DEMO_DIR / "dflash", help="its DFlash drafter")
-    s.add_argument("--max-tokens", type=_positive, default=32, help="tokens generated per prompt")
-    s.add_argument("--prompts", type=_positive, default=16, help="prompts per config (of tests/tiny_models.PROMPTS)")
+    s.add_argument("--max-tokens", type=positive_int, default=32, help="tokens generated per prompt")
+    s.add_argument("--prompts", type=positive_int, default=16, help="prompts per config (of tests/tiny_models.PROMPTS)")
     s.add_argument("--ipc-pool-mib", type=float, default=1024.0, help="size of each pool of the IPC check")
     return p.parse_args(argv)
 
@@ -146,13 +148,6 @@ def _limits(text: str) -> dict[str, float]:
                                              f"got {item!r}")
         limits[name] = seconds
     return limits
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------
