@@ -19,8 +19,12 @@ from common import flashinfer_probe
 from common.attention import TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.invariant_attention import BatchInvariantTorchBackend
-from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend, native_unavailable_reason
 from common.kv_layout import LayerSpec
+from common.native_attention import (
+    BatchInvariantNativeBackend,
+    NativeCpuAttentionBackend,
+    native_unavailable_reason,
+)
 
 log = logging.getLogger(__name__)
 

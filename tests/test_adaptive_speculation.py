@@ -74,7 +74,10 @@ def checkpoints(tmp_path_factory):
 
 
 def _core(speculative_engine, target, draft):
-    core = speculative_engine(target, draft, drafter={"num_speculative_tokens": K}, num_speculative_tokens=K)
+    # float32 like the target: where a copy of it drafts, every draft must be accepted (in bfloat16,
+    # the drafter's default on a CPU with native bfloat16, a near-tie may round the other way)
+    core = speculative_engine(target, draft, drafter={"num_speculative_tokens": K, "dtype": "float32"},
+                              num_speculative_tokens=K)
     assert core.config.speculative_policy == "adaptive"  # the default
     assert core.link.ready, core.link.detail
     policy = core.speculator.policy

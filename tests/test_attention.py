@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from common.attention import TorchAttentionBackend, gather_kv_from_pages, read_kv_slots, write_kv_to_pages
-from common.invariant_attention import BatchInvariantTorchBackend
-from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
 from common.attention_backends import select_backend
 from common.attention_metadata import AttentionMetadata
+from common.invariant_attention import BatchInvariantTorchBackend
 from common.kv_layout import LayerSpec, build_layout
 from common.kv_quant import dequantize, quantize
+from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
 
 PAGE_SIZE = 4
 HEAD_DIM = 8

@@ -24,6 +24,7 @@ from common.attention_backends import select_backend
 from common.attention_metadata import AttentionMetadata
 from common.flashinfer_backend import FlashInferAttentionBackend, build_plan_inputs, flashinfer_import_error
 from common.kv_layout import LayerSpec, build_layout
+from common.native_attention import NativeCpuAttentionBackend
 from tests.flashinfer_reference import ReferenceKernels, append_slots, kv_slots, visible_keys
 
 ORDERS = ["NHD", "HND"]
@@ -341,7 +342,9 @@ def test_select_backend(monkeypatch):
     monkeypatch.setattr(probe, "flashinfer_runnable_reason", lambda *args: None)  # its kernels can run here
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_backend("torch", cuda) is TorchAttentionBackend
-    assert select_backend("auto", cpu) is TorchAttentionBackend
+    assert select_backend("auto", cpu) is NativeCpuAttentionBackend  # the C kernels build on this machine
+    with pytest.raises(ValueError, match="'native' is not available: the native kernels run on a CPU"):
+        select_backend("native", cuda)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("flashinfer", cpu)
     monkeypatch.setattr(fib, "flashinfer_import_error", lambda: "flashinfer-python is not installed")
