@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from common.attention import TorchAttentionBackend  # noqa: E402
+from common.attention_backends import select_backend  # noqa: E402
 from common.attention_metadata import AttentionMetadata, slot_of  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
 from common.kv_layout import CacheConfig, build_layout  # noqa: E402
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     num_pages = -(-total // PAGE_SIZE)
     layout = build_layout(order="NHD", page_size=PAGE_SIZE, kv_dtype=str(model.dtype).removeprefix("torch."),
                           num_pages=num_pages, layers=model.kv_layer_specs())
+    backend_cls = select_backend("auto", torch.device("cpu"), kv_dtype=layout.torch_dtype)  # as the drafter
     started = time.perf_counter()
     drafters["compiled"].model.prepare_compiled([k + 1], [args.new_rows])
     print(f"compiled the block and context buckets in {time.perf_counter() - started:.1f} s")
@@ -69,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             pools[name] = PagePool.create(layout, torch.device("cpu"), shm_dir=Path(tmp, name))
         try:
             for name, drafter in drafters.items():
-                backend, caches = TorchAttentionBackend(layout), pools[name].kv_caches("draft")
+                backend, caches = backend_cls(layout), pools[name].kv_caches("draft")
                 meta = AttentionMetadata.build(query_lens=[PROMPT], seq_lens=[PROMPT], page_tables=[table],
                                                page_size=PAGE_SIZE, device=torch.device("cpu"))
                 drafter.model.write_context(features[:PROMPT], torch.arange(PROMPT), meta, caches, backend)
-            backends = {name: TorchAttentionBackend(layout) for name in drafters}
+            backends = {name: backend_cls(layout) for name in drafters}
             for call in range(args.calls):
                 start, end = PROMPT + call * args.new_rows, PROMPT + (call + 1) * args.new_rows
                 new = NewContext(features[start:end], torch.arange(start, end),
