@@ -179,6 +179,10 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
             super().plan(meta)
             return
         meta.check_page_size(self.layout.page_size)
+        num_seqs, num_tokens = meta.page_table_tensor.shape[0], meta.num_tokens
+        if meta.query_start_loc.numel() != num_seqs + 1 or meta.slot_mapping.numel() != num_tokens:
+            raise ValueError(f"attention metadata: {meta.query_start_loc.numel()} row starts and "
+                             f"{meta.slot_mapping.numel()} slots for {num_seqs} sequences of {num_tokens} tokens")
         self._plan = None
         if meta.causal:
             keys = [s - q + i + 1 for q, s in zip(meta.query_lens, meta.seq_lens, strict=True) for i in range(q)]
@@ -196,7 +200,13 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
         if rows.row_keys.shape[0] != q.shape[0]:
             raise RuntimeError(f"attention backend: planned for {rows.row_keys.shape[0]} tokens, got {q.shape[0]} "
                                "(was plan(meta) called for this step?)")
+        if not q.shape[0] == k.shape[0] == v.shape[0] or k.shape != v.shape:
+            raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
         strides = self._byte_strides(kv_cache)
+        heads_and_dim = (kv_cache.shape[3], kv_cache.shape[4]) if self.layout.order == "NHD" else \
+            (kv_cache.shape[2], kv_cache.shape[4])
+        if tuple(k.shape[1:]) != heads_and_dim or q.shape[2] != k.shape[2]:
+            raise ValueError(f"attention: k {tuple(k.shape)} does not fit pages of {heads_and_dim} (heads, dim)")
         num_pages, page_size = kv_cache.shape[0], self.layout.page_size
         keys = quantize(k, kv_cache.dtype, spec.k_scale).contiguous()
         values = quantize(v, kv_cache.dtype, spec.v_scale).contiguous()

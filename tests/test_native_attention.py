@@ -114,6 +114,19 @@ def test_crafted_page_tables_are_refused_not_read():
     pages.backend.plan(meta)
     with pytest.raises(ValueError, match="page id outside the pool"):
         pages.backend.forward(*pages.qkv(1), pages.cache, pages.spec, 0.125)
+    meta.slot_mapping[0] = table[0] * PAGE_SIZE
+    pages.backend.plan(meta)
+    q, k, v = pages.qkv(1)
+    wide = torch.randn(1, k.shape[1] + 1, k.shape[2])  # more heads than a page row holds
+    with pytest.raises(ValueError, match="does not fit pages"):
+        pages.backend.forward(q, wide, wide, pages.cache, pages.spec, 0.125)
+    with pytest.raises(ValueError, match="disagree"):
+        pages.backend.forward(q, k, torch.cat([v, v]), pages.cache, pages.spec, 0.125)
+    short = AttentionMetadata.build(query_lens=[2], seq_lens=[40], page_tables=[table], page_size=PAGE_SIZE,
+                                    device=torch.device("cpu"))
+    short.slot_mapping = short.slot_mapping[:1]  # fewer slots than tokens
+    with pytest.raises(ValueError, match="1 slots for 1 sequences of 2 tokens"):
+        pages.backend.plan(short)
     meta.seq_lens[0] = 49  # more keys than the table's 3 pages hold
     meta.slot_mapping[0] = table[0] * PAGE_SIZE
     pages.backend.plan(meta)
