@@ -22,6 +22,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common.attention_backends import select_backend
 from common.auth import auth_metadata
 from common.kv_layout import LAYOUT_NOT_RESOLVED, CacheConfig, LayerSpec, StagingSpec, build_layout
 from common.kv_pool import PagePool
@@ -122,7 +123,8 @@ def drafters(checkpoints, tmp_path_factory, drafters_shm_dir):
             "draft_model", ["--model", str(checkpoints.draft)], root / "draft.log", token_file, drafters_shm_dir
         ),
         "dflash": start_drafter(
-            "dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target)],
+            "dflash", ["--model", str(checkpoints.dflash), "--target-model", str(checkpoints.target), "--dtype",
+                       "float32"],  # the reference's drafts are compared at float32
             root / "dflash.log", token_file, drafters_shm_dir,
         ),
         "eagle3": start_drafter(
@@ -400,7 +402,8 @@ def test_attach_warms_the_attention_backend_on_scratch_pages_before_answering(ch
         fake.negotiate()
         fake.attach(epoch=1)
         assert scrape_metrics(port)["splitspec_draft_attention_warmup_seconds_count"] == 1, proc.log()
-        assert proc.log().index("warmed the torch attention backend") < proc.log().index("attached to target")
+        backend = select_backend("auto", torch.device("cpu"), kv_dtype=torch.float32).name  # what the drafter picks
+        assert proc.log().index(f"warmed the {backend} attention backend") < proc.log().index("attached to target")
         draft_regions = [fake.pool.region(s) for s in fake.pool.layout.layers if s.owner == "draft"]
         assert draft_regions and all(not r.any() for r in draft_regions), "the warm-up wrote into the pool"
         seq = Seq(1)
