@@ -168,10 +168,6 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
         self._rows: _RowPlan | None = None
         self._tables: dict[tuple[torch.dtype, float], torch.Tensor] = {}  # fp8 byte → float32 value
 
-    @classmethod
-    def supported_orders(cls, device: torch.device) -> tuple[str, ...]:
-        return ("NHD", "HND")
-
     def plan(self, meta: AttentionMetadata) -> None:
         long_query = max(meta.query_lens, default=0) > BATCHED_QUERY_MAX
         if self.layout.torch_dtype not in self.DTYPE_KINDS or (long_query and not self.batch_invariant):
@@ -202,9 +198,7 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
                                "(was plan(meta) called for this step?)")
         if not q.shape[0] == k.shape[0] == v.shape[0] or k.shape != v.shape:
             raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
-        strides = self._byte_strides(kv_cache)
-        heads_and_dim = (kv_cache.shape[3], kv_cache.shape[4]) if self.layout.order == "NHD" else \
-            (kv_cache.shape[2], kv_cache.shape[4])
+        strides, heads_and_dim = self._region_geometry(kv_cache)
         if tuple(k.shape[1:]) != heads_and_dim or q.shape[2] != k.shape[2]:
             raise ValueError(f"attention: k {tuple(k.shape)} does not fit pages of {heads_and_dim} (heads, dim)")
         num_pages, page_size = kv_cache.shape[0], self.layout.page_size
@@ -225,16 +219,15 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
             rows.row_keys.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], scale, rows.threads), "attention")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
-    def _byte_strides(self, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
-        """(page, plane, token, head) strides in bytes of one layer region."""
+    def _region_geometry(self, kv_cache: torch.Tensor) -> tuple[tuple[int, int, int, int], tuple[int, int]]:
+        """One layer region's (page, plane, token, head) strides in bytes, and its (heads, head dim)."""
         if kv_cache.dim() != 5 or kv_cache.stride(4) != 1:
             raise ValueError(f"native attention needs [pages, 2, ...] regions with contiguous head vectors, got "
                              f"shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+        token_dim, head_dim = (2, 3) if self.layout.order == "NHD" else (3, 2)  # [P, 2, ps, H, D] / [P, 2, H, ps, D]
         size = kv_cache.element_size()
-        page, plane = kv_cache.stride(0), kv_cache.stride(1)
-        token, head = (kv_cache.stride(2), kv_cache.stride(3)) if self.layout.order == "NHD" else \
-            (kv_cache.stride(3), kv_cache.stride(2))
-        return page * size, plane * size, token * size, head * size
+        strides = tuple(kv_cache.stride(d) * size for d in (0, 1, token_dim, head_dim))
+        return strides, (kv_cache.shape[head_dim], kv_cache.shape[4])
 
     def _byte_table(self, dtype: torch.dtype, scale: float) -> torch.Tensor:  # [256] float32
         """What each fp8 byte reads as, scaled (`common.kv_quant.dequantize` of every code)."""
