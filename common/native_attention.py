@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -92,18 +93,31 @@ def build_library(cache_dir: Path | None = None) -> Path:
     compiler, source = _compiler(), SOURCE.read_bytes()
     cache_dir = cache_dir or kernel_cache_dir()
     target = cache_dir / f"paged_attention-{_build_key(compiler, source)}.so"
-    if target.exists():
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(cache_dir, directory=True)  # a library loaded from here runs as this process
+    if os.path.lexists(target):
+        _check_private(target, directory=False)
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # a sibling: os.replace stays one filesystem
         built = Path(tmp) / target.name
         result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
                                 text=True, timeout=120)
         if result.returncode != 0:
             raise NativeKernelUnavailable(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}")
+        built.chmod(0o755)  # whatever the umask: a group-writable library would be refused next start
         os.replace(built, target)  # atomic: a process loading beside this one sees all of it or none
     log.info("native attention kernels compiled into %s", target)
     return target
+
+
+def _check_private(path: Path, directory: bool) -> None:
+    """Refuse a cache folder or library that another user could have written: not ours, writable
+    by group or others, a link, or not the kind of file expected."""
+    info = os.lstat(path)
+    kind_ok = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
+    if not kind_ok or info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise NativeKernelUnavailable(f"{path} is not a {'folder' if directory else 'file'} of this user that only it "
+                                      "can write; not loading kernels from it")
 
 
 @dataclass(frozen=True)
