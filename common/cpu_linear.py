@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.native_linear import AmxLinear, amx_unavailable_reason, fits_tiles
+
 MIN_PACKED_ROWS = 2  # float32: a single row runs faster through the plain sgemm (measured on the demo shapes)
 MIN_PACKED_ROWS_BF16 = 1  # bfloat16: the packed product is faster from one row (torch's own is slower than float32)
 PACKING_BATCH_HINT = 16  # the row count oneDNN tunes the packed layout for
@@ -117,21 +119,22 @@ class PackedLinear(nn.Module):
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def _agrees_with_f_linear(linear: nn.Linear) -> bool:
-    """The packed path computes what `F.linear` does (up to rounding) on random rows."""
-    packed = PackedLinear(linear)
+def _agrees_with_f_linear(packed: nn.Module) -> bool:
+    """A packed layer computes what `F.linear` does with its weight (up to rounding) on random rows."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * PACKING_BATCH_HINT, linear.in_features, generator=generator)  # [rows, in]
-    x = x.to(linear.weight.dtype)
+    x = torch.randn(2 * PACKING_BATCH_HINT, packed.in_features, generator=generator)  # [rows, in]
+    x = x.to(packed.weight.dtype)
     with torch.inference_mode():
-        expected, got = F.linear(x, linear.weight, linear.bias).float(), packed(x).float()
+        expected, got = F.linear(x, packed.weight, packed.bias).float(), packed(x).float()
     scale = expected.abs().max().item() or 1.0
-    return bool(((got - expected).abs().max() / scale) < PROBE_TOLERANCE[linear.weight.dtype])
+    return bool(((got - expected).abs().max() / scale) < PROBE_TOLERANCE[packed.weight.dtype])
 
 
-def pack_cpu_linears(model: nn.Module, log: logging.Logger) -> int:
-    """Swap every CPU `nn.Linear` (StackedLinear included) of a packable dtype for a `PackedLinear`; how many were.
-    (Layers elsewhere, on "meta" for instance, or of another dtype, are left as they are.)"""
+def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None = None) -> int:
+    """Swap every CPU `nn.Linear` (StackedLinear included) of a packable dtype for a `PackedLinear`,
+    or for an `AmxLinear` where that measures faster (bfloat16 on a CPU with AMX); how many were.
+    (Layers elsewhere, on "meta" for instance, or of another dtype, are left as they are.)
+    `timer` replaces the clock in the kernel choices (tests)."""
     dtypes = packable_dtypes()
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes]
@@ -141,24 +144,108 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger) -> int:
         log.info("CPU linears: this torch build has no oneDNN linear ops; using torch's default")
         return 0
     probes = {child.weight.dtype: child for _, _, child in linears}
-    refused = {dtype for dtype, child in probes.items() if not _agrees_with_f_linear(child)}
+    refused = {dtype for dtype, child in probes.items() if not _agrees_with_f_linear(PackedLinear(child))}
     if refused:
         log.warning("CPU linears: oneDNN's packed product disagreed with F.linear on a probe (%s); "
                     "using torch's default", ", ".join(sorted(map(str, refused))))
         linears = [item for item in linears if item[2].weight.dtype not in refused]
-    packed = []
+    tile_choices = choose_tile_kernels([child for _, _, child in linears], log, timer)
+    packed, tiled = [], 0
     for parent, name, child in linears:
-        packed.append(PackedLinear(child))
-        setattr(parent, name, packed[-1])
+        choice = tile_choices.get(shape_key(child))
+        if choice is not None and choice.kernel == "amx":
+            setattr(parent, name, AmxLinear(child))
+            tiled += 1
+        else:
+            packed.append(PackedLinear(child))
+            setattr(parent, name, packed[-1])
     _build_every_shape(packed)
     if packed:
         log.info("CPU linears: %d packed for oneDNN (%s; products of up to %d rows)", len(packed),
                  ", ".join(sorted({str(layer.weight.dtype) for layer in packed})), MAX_PACKED_ROWS)
-    choices = select_kernels(packed)
+    if tiled:
+        log.info("CPU linears: %d on AMX tiles (bfloat16)", tiled)
+    choices = select_kernels(packed, timer)
     if choices:
         log.info("CPU linears, the faster kernel measured per float32 shape and row count (%d threads):\n  %s",
                  torch.get_num_threads(), "\n  ".join(choice.describe() for choice in choices))
-    return len(packed)
+    return len(packed) + tiled
+
+
+def shape_key(layer: nn.Module) -> tuple[int, int, bool, torch.dtype]:
+    return layer.in_features, layer.out_features, layer.bias is not None, layer.weight.dtype
+
+
+TILE_ROWS = (1, 9, 16)  # a decode, a K=8 verify, a full tile: what the bfloat16 choice is timed at
+
+
+@dataclass
+class TileChoice:
+    """One bfloat16 shape's product timed through the AMX kernel and oneDNN's packed product, in µs
+    by row count; the layer runs the one faster over those counts at every row count (one kernel
+    for all keeps a row's bits independent of the row count)."""
+
+    in_features: int
+    out_features: int
+    amx_us: dict[int, float] = field(default_factory=dict)
+    packed_us: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def kernel(self) -> str:
+        return "amx" if sum(self.amx_us.values()) < sum(self.packed_us.values()) else "packed"
+
+    def describe(self) -> str:
+        rows = "/".join(map(str, self.amx_us))
+        amx = "/".join(f"{us:.1f}" for us in self.amx_us.values())
+        packed = "/".join(f"{us:.1f}" for us in self.packed_us.values())
+        return (f"{self.in_features}->{self.out_features}: AMX {amx} µs, oneDNN packed {packed} µs at {rows} rows: "
+                f"{self.kernel}")
+
+
+def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger,
+                        timer: Timer | None = None) -> dict[tuple, TileChoice]:
+    """For each bfloat16 shape that fits AMX tiles, where the kernel runs here and agrees with
+    `F.linear` on a probe: the AMX product timed against oneDNN's packed one (`TileChoice`)."""
+    shapes = {shape_key(layer): layer for layer in linears if fits_tiles(layer)}
+    if not shapes:
+        return {}
+    reason = amx_unavailable_reason()
+    if reason is not None:
+        log.info("CPU linears: bfloat16 products stay with oneDNN: %s", reason)
+        return {}
+    choices = {}
+    for key, layer in shapes.items():
+        if not _agrees_with_f_linear(AmxLinear(layer)):
+            log.warning("CPU linears: the AMX %d->%d product disagreed with F.linear on a probe; using oneDNN's",
+                        layer.in_features, layer.out_features)
+            continue
+        choices[key] = (_measured_tiles(*key, torch.get_num_threads()) if timer is None
+                        else measure_tiles(layer, timer))
+    if choices:
+        log.info("CPU linears, bfloat16 kernel measured per shape (%d threads):\n  %s", torch.get_num_threads(),
+                 "\n  ".join(choice.describe() for choice in choices.values()))
+    return choices
+
+
+def measure_tiles(layer: nn.Linear, timer: Timer | None = None) -> TileChoice:
+    amx, packed = AmxLinear(layer), PackedLinear(layer)
+    choice = TileChoice(layer.in_features, layer.out_features)
+    x = torch.randn(max(TILE_ROWS), layer.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows in TILE_ROWS:
+            flat = x[:rows]
+            calls = {"amx": lambda: amx(flat), "packed": lambda: packed(flat)}
+            seconds = time_pair(calls) if timer is None else {name: timer(name, rows, call)
+                                                               for name, call in calls.items()}
+            choice.amx_us[rows], choice.packed_us[rows] = 1e6 * seconds["amx"], 1e6 * seconds["packed"]
+    return choice
+
+
+@functools.cache
+def _measured_tiles(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, threads: int) -> TileChoice:
+    """One measurement per shape and thread count in a process (as `_measured`)."""
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return measure_tiles(linear)
 
 
 CHUNK_CANDIDATES = (512, 256, 128, 64, 32, 16)

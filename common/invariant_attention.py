@@ -30,6 +30,7 @@ from common.attention_metadata import AttentionMetadata
 from common.cpu_linear import PackedLinear, invariant_chunk_rows
 from common.kv_layout import KVLayout, LayerSpec
 from common.kv_quant import dequantize, is_fp8_dtype
+from common.native_linear import AmxLinear
 
 KEY_TILE = 64  # keys are summed in tiles of this many, aligned to position 0
 MIN_ROWS = 2  # a 1-row matmul takes BLAS's matrix-vector path, whose sums are ordered differently
@@ -183,7 +184,7 @@ def make_batch_invariant(model: torch.nn.Module) -> str | None:
     for module in model.modules():
         if isinstance(module, PackedLinear):
             packed.setdefault((module.in_features, module.out_features, module.weight.dtype), []).append(module)
-        elif isinstance(module, torch.nn.Linear):
+        elif isinstance(module, torch.nn.Linear | AmxLinear):  # AMX: invariant by construction, checked all the same
             others.setdefault((module.in_features, module.out_features, module.weight.dtype), module)
     for (in_features, out_features, dtype), layers in packed.items():
         chunk = invariant_chunk_rows(layers[0])

@@ -8,23 +8,14 @@ caller's OpenMP threads (torch's libgomp, loaded first). Every row is computed a
 order, so a row has the same bits in a decode, a verify and any batch: the backend is
 batch-invariant by construction.
 
-The C source is compiled at load by the machine's C compiler (`$CC`, else `cc`) with
-`-march=native`, once per source, flags, compiler and CPU, into a cache directory
-(`$SPLITSPEC_KERNEL_CACHE`, else `$XDG_CACHE_HOME/splitspec/kernels`); where no compiler works
-the backend is unavailable and `select_backend` falls back to the torch one, saying why.
-Figures: docs/performance.md#paged-attention-in-one-native-call.
+The C source is built and loaded by `common/native_build.py`; where it cannot be, `select_backend`
+falls back to the torch backend, saying why. Figures: docs/performance.md#paged-attention-in-one-native-call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import stat
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +25,10 @@ from common.attention import BATCHED_QUERY_MAX, TorchAttentionBackend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import KVLayout, LayerSpec
 from common.kv_quant import dequantize, quantize
+from common.native_build import NativeKernelUnavailable, load_library
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-         "-fno-signed-zeros", "-fassociative-math", "-ffp-contract=fast")
 KV_F32, KV_BF16, KV_BYTE_TABLE = 0, 1, 2  # the C enum
 STATUS = {1: "a page id outside the pool", 2: "a key count or row range that does not fit its page table",
           3: "out of memory", 4: "an unsupported page dtype"}
@@ -48,76 +37,6 @@ _P, _I64, _I32, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctyp
 _ATTENTION_ARGS = [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I32, _INT, _P, _P, _P, _I64, _I64, _P, _P, _I64,
                    _INT, _INT, _INT, _F, _INT]
 _WRITE_ARGS = [_P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I32, _INT, _I64]
-
-
-class NativeKernelUnavailable(RuntimeError):
-    """The C kernels cannot be built or loaded here (the message says why)."""
-
-
-def kernel_cache_dir() -> Path:
-    configured = os.environ.get("SPLITSPEC_KERNEL_CACHE")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitspec" / "kernels"
-
-
-def _compiler() -> str:
-    name = os.environ.get("CC") or "cc"
-    path = shutil.which(name) or shutil.which("gcc")
-    if path is None:
-        raise NativeKernelUnavailable(f"no C compiler ({name!r} or 'gcc' on PATH)")
-    return path
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build_key(compiler: str, source: bytes) -> str:
-    """What the library depends on: the source, the flags, the compiler (its resolved path and
-    mtime stand for its version) and the CPU (`-march=native`)."""
-    binary = Path(compiler).resolve()
-    compiler_id = f"{binary}:{binary.stat().st_mtime_ns}"
-    parts = [source, " ".join(FLAGS).encode(), compiler_id.encode(), _cpu_flags().encode()]
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
-
-
-def build_library(cache_dir: Path | None = None) -> Path:
-    """The compiled kernel library for this machine: from the cache, or compiled into it now."""
-    compiler, source = _compiler(), SOURCE.read_bytes()
-    cache_dir = cache_dir or kernel_cache_dir()
-    target = cache_dir / f"paged_attention-{_build_key(compiler, source)}.so"
-    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_private(cache_dir, directory=True)  # a library loaded from here runs as this process
-    if os.path.lexists(target):
-        _check_private(target, directory=False)
-        return target
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:  # a sibling: os.replace stays one filesystem
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                                text=True, timeout=120)
-        if result.returncode != 0:
-            raise NativeKernelUnavailable(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}")
-        built.chmod(0o755)  # whatever the umask: a group-writable library would be refused next start
-        os.replace(built, target)  # atomic: a process loading beside this one sees all of it or none
-    log.info("native attention kernels compiled into %s", target)
-    return target
-
-
-def _check_private(path: Path, directory: bool) -> None:
-    """Refuse a cache folder or library that another user could have written: not ours, writable
-    by group or others, a link, or not the kind of file expected."""
-    info = os.lstat(path)
-    kind_ok = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
-    if not kind_ok or info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise NativeKernelUnavailable(f"{path} is not a {'folder' if directory else 'file'} of this user that only it "
-                                      "can write; not loading kernels from it")
 
 
 @dataclass(frozen=True)
@@ -129,12 +48,8 @@ class NativeKernels:
 
     @classmethod
     def load(cls, cache_dir: Path | None = None) -> NativeKernels:
-        """Build (or find) and load the library; NativeKernelUnavailable if either fails."""
-        torch.get_num_threads()  # torch's libgomp is loaded first, so the library's libgomp.so.1 is the same one
-        try:
-            lib = ctypes.CDLL(str(build_library(cache_dir)))
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeKernelUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        """Build (or find) and load the library; NativeKernelUnavailable if that fails."""
+        lib = load_library("paged_attention", cache_dir)
         lib.splitspec_paged_attention.argtypes, lib.splitspec_paged_attention.restype = _ATTENTION_ARGS, _INT
         lib.splitspec_write_kv.argtypes, lib.splitspec_write_kv.restype = _WRITE_ARGS, _INT
         return cls(lib.splitspec_paged_attention, lib.splitspec_write_kv)

@@ -15,12 +15,8 @@ from common.attention import TorchAttentionBackend
 from common.attention_backends import select_backend
 from common.attention_metadata import AttentionMetadata
 from common.kv_layout import LayerSpec, build_layout
-from common.native_attention import (
-    BatchInvariantNativeBackend,
-    NativeCpuAttentionBackend,
-    NativeKernelUnavailable,
-    build_library,
-)
+from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
+from common.native_build import NativeKernelUnavailable, build_library
 
 PAGE_SIZE = 16
 
@@ -152,9 +148,9 @@ def test_without_a_c_compiler_auto_falls_back_to_torch_and_native_says_why(tmp_p
 
 
 def test_the_library_is_compiled_once_per_machine_and_reused(tmp_path):
-    first = build_library(tmp_path)
+    first = build_library("paged_attention", tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert build_library(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert build_library("paged_attention", tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
@@ -164,13 +160,13 @@ def test_a_cache_another_user_could_write_is_not_loaded_from(tmp_path, monkeypat
     shared.mkdir()
     shared.chmod(0o777)
     with pytest.raises(NativeKernelUnavailable, match="only it can write"):
-        build_library(shared)
+        build_library("paged_attention", shared)
     private = tmp_path / "private"
-    built = build_library(private)
+    built = build_library("paged_attention", private)
     built.unlink()
     built.symlink_to(tmp_path / "elsewhere.so")  # a link where the library should be
     with pytest.raises(NativeKernelUnavailable, match="not loading kernels"):
-        build_library(private)
+        build_library("paged_attention", private)
     monkeypatch.setenv("SPLITSPEC_KERNEL_CACHE", str(shared))
     with pytest.raises(ValueError, match="'native' is not available: .*only it can write"):
         select_backend("native", torch.device("cpu"))

@@ -1,0 +1,147 @@
+// bfloat16 products y = x · Wᵀ on AMX tiles, for the small row counts a decode, a verify and a
+// batch run at (common/native_linear.py).
+//
+// The weight is packed once at load into the tile layout TDPBF16PS reads (VNNI pairs):
+//   packed[n_block][k_block][k_pair (16)][n (16)][2] = W[n_block*16 + n][k_block*32 + 2*k_pair + j]
+// so each 16-output block streams its tiles in order, 1 KiB each. Every output element is one
+// TDPBF16PS chain over k in the same order whatever the row count and whatever rows sit beside
+// it in a tile, and rows are stored one by one: a row's bits do not depend on the batch (the
+// lossless bfloat16 mode needs exactly that), and one row costs about what 16 do.
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+enum { OK = 0, NO_AMX = 1, BAD_SHAPE = 2 };
+enum { TILE_ROWS = 16, TILE_K = 32, TILE_N = 16, N_PER_STEP = 2 };
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+// Ask the kernel for the AMX register state (Linux gives it per process, on request).
+int splitspec_amx_init(void) {
+#if HAVE_AMX
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? OK : NO_AMX;
+#else
+    return NO_AMX;
+#endif
+}
+
+#if HAVE_AMX
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+
+// Tiles 0-1 accumulate two 16-output blocks of `rows` rows, tile 2 holds the rows' 32 inputs,
+// tiles 3-4 the two weight blocks.
+static void configure_tiles(int rows) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 3; t++) {
+        config.rows[t] = (uint8_t)rows;
+        config.colsb[t] = 64;
+    }
+    for (int t = 3; t < 5; t++) {
+        config.rows[t] = TILE_ROWS;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+// Round the float32 accumulators of `rows` rows × 16 outputs to bfloat16 (nearest even) or copy them.
+static void store_block(const float *acc, int rows, void *y, int64_t row_stride, int64_t column, int out_f32) {
+    for (int r = 0; r < rows; r++) {
+        __m512 values = _mm512_loadu_ps(acc + r * TILE_N);
+        if (out_f32) {
+            _mm512_storeu_ps((float *)y + r * row_stride + column, values);
+        } else {
+            __m256bh rounded = _mm512_cvtneps_pbh(values);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * row_stride + column), (__m256i)rounded);
+        }
+    }
+}
+
+// One block of up to 16 rows against output blocks [first, last) of the packed weight.
+static void rows_against_blocks(const uint16_t *x, int rows, int64_t k, const uint16_t *packed, int64_t first,
+                                int64_t last, void *y, int64_t n, int out_f32) {
+    const int64_t k_blocks = k / TILE_K, block_elems = (int64_t)TILE_ROWS * TILE_N * 2;
+    const int64_t x_stride = k * (int64_t)sizeof(uint16_t);
+    float acc[2][TILE_ROWS * TILE_N] __attribute__((aligned(64)));
+    int64_t nb = first;
+    for (; nb + 1 < last; nb += N_PER_STEP) {
+        const uint16_t *w0 = packed + nb * k_blocks * block_elems, *w1 = w0 + k_blocks * block_elems;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kb = 0; kb < k_blocks; kb++) {
+            _tile_loadd(2, x + kb * TILE_K, x_stride);
+            _tile_loadd(3, w0 + kb * block_elems, 64);
+            _tile_loadd(4, w1 + kb * block_elems, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(1, acc[1], 64);
+        store_block(acc[0], rows, y, n, nb * TILE_N, out_f32);
+        store_block(acc[1], rows, y, n, (nb + 1) * TILE_N, out_f32);
+    }
+    if (nb < last) {  // an odd block out: the same chain, on tile 0 alone
+        const uint16_t *w0 = packed + nb * k_blocks * block_elems;
+        _tile_zero(0);
+        for (int64_t kb = 0; kb < k_blocks; kb++) {
+            _tile_loadd(2, x + kb * TILE_K, x_stride);
+            _tile_loadd(3, w0 + kb * block_elems, 64);
+            _tile_dpbf16ps(0, 2, 3);
+        }
+        _tile_stored(0, acc[0], 64);
+        store_block(acc[0], rows, y, n, nb * TILE_N, out_f32);
+    }
+}
+#endif
+
+// y[m, n] = x[m, k] · W[n, k]ᵀ, x bfloat16 (rows contiguous), W packed as above, y bfloat16 or
+// float32. k a multiple of 32, n of 16. Output blocks are split between the OpenMP threads in
+// pairs; each thread runs every row block against its own.
+int splitspec_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, void *y,
+                         int out_f32, int max_threads) {
+#if HAVE_AMX
+    if (m < 0 || k <= 0 || n <= 0 || k % TILE_K || n % TILE_N) return BAD_SHAPE;
+    if (m == 0) return OK;
+    const int64_t n_blocks = n / TILE_N, pairs = (n_blocks + 1) / 2;
+    int threads = max_threads > 0 ? max_threads : 1;
+    if (threads > pairs) threads = (int)pairs;
+#pragma omp parallel num_threads(threads)
+    {
+        const int team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t first = 2 * (pairs * me / team), last_pair = pairs * (me + 1) / team;
+        const int64_t last = 2 * last_pair < n_blocks ? 2 * last_pair : n_blocks;
+        int configured = -1;
+        for (int64_t r0 = 0; r0 < m && first < last; r0 += TILE_ROWS) {
+            const int rows = (int)(m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS);
+            if (rows != configured) {
+                configure_tiles(rows);
+                configured = rows;
+            }
+            void *y_rows = out_f32 ? (void *)((float *)y + r0 * n) : (void *)((uint16_t *)y + r0 * n);
+            rows_against_blocks(x + r0 * k, rows, k, packed, first, last, y_rows, n, out_f32);
+        }
+        if (configured >= 0) _tile_release();
+    }
+    return OK;
+#else
+    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)out_f32, (void)max_threads;
+    return NO_AMX;
+#endif
+}
