@@ -2,14 +2,16 @@
 
 Both services load models (the target, a draft LM, DFlash and the target heads it borrows),
 so both read `--dtype` the same way: an explicit name wins; `auto` is the checkpoint's own
-dtype off a CPU (when it is one of these, else float32) and `cpu_dtype` on a CPU.
+dtype off a CPU (when it is one of these, else float32), and on a CPU what the caller
+measures or rules there.
 
-The target's `cpu_dtype` is float32. `--dtype bfloat16` is lossless too where the CPU's
-kernels allow a batch-invariant forward (docs/design.md#lossless-in-bfloat16, checked at
-load), but on the demo target with 2 threads its decode step is slower than float32's (the
-invariant attention costs more ops, and a 1-row packed bfloat16 product costs more than
-MKL's float32 one at these sizes), while its verify is cheaper: `bench/target_dtype.py`
-measures both. Drafters take bfloat16 there (`draft_service/drafters/cpu_drafter_dtype`):
+The target's CPU rule (`common.cpu_linear.cpu_target_dtype`): bfloat16 where every product
+runs on AMX tiles, float32 elsewhere.
+On AMX tiles each row's bits are independent of the row count, and with the native attention
+(invariant by construction) speculative output stays token-identical to bfloat16 target-only
+(docs/design.md#lossless-in-bfloat16); against a float32 forward it is the same up to
+rounding, as vLLM's CPU backend, which also computes in bfloat16, states it. Drafters take
+bfloat16 wherever the CPU multiplies it natively (`draft_service/drafters/cpu_drafter_dtype`):
 their drafts only propose. Off a CPU `auto` follows the checkpoint (bfloat16 for most), as
 vLLM does; a reduced-precision verify there is lossless up to rounding, not bit for bit.
 """
@@ -30,12 +32,13 @@ def check_dtype_name(name: str) -> None:
 
 
 def resolve_model_dtype(name: str, device: torch.device, checkpoint_dtype: Callable[[], torch.dtype | None],
-                        cpu_dtype: torch.dtype = torch.float32) -> torch.dtype:
-    """The compute dtype for `--dtype name` on `device`; `checkpoint_dtype` is only asked off a CPU."""
+                        cpu_dtype: Callable[[], torch.dtype]) -> torch.dtype:
+    """The compute dtype for `--dtype name` on `device`; `checkpoint_dtype` is only asked off a
+    CPU, `cpu_dtype` only on one."""
     if name != "auto":
         return MODEL_DTYPES[name]
     if device.type == "cpu":
-        return cpu_dtype
+        return cpu_dtype()
     dtype = checkpoint_dtype()
     return dtype if dtype in MODEL_DTYPES.values() else torch.float32
 

@@ -97,23 +97,25 @@ class AmxLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.kernels = AmxKernels.load()
+        self._linear = AmxKernels.load().linear
         self._packed = pack_for_tiles(linear.weight)
+        self._packed_address = self._packed.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
+        # Kept lean: at the demo's sizes the kernel takes 4-8 µs, and every op here adds ~1.
         if x.shape[-1] != self.in_features:
             raise ValueError(f"linear: input of {x.shape[-1]} features for a {self.in_features}->{self.out_features} "
                              "layer")
-        rows = x.numel() // self.in_features
-        flat = x.reshape(rows, self.in_features).to(torch.bfloat16).contiguous()  # [rows, in]
-        out = torch.empty(rows, self.out_features, dtype=torch.bfloat16)  # [rows, out]
-        status = self.kernels.linear(flat.data_ptr(), rows, self.in_features, self._packed.data_ptr(),
-                                     self.out_features, out.data_ptr(), 0, torch.get_num_threads())
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            x = x.to(torch.bfloat16).contiguous()
+        out = x.new_empty(x.shape[:-1] + (self.out_features,))  # [..., out]
+        status = self._linear(x.data_ptr(), x.numel() // self.in_features, self.in_features, self._packed_address,
+                              self.out_features, out.data_ptr(), 0, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"AMX linear: {STATUS.get(status, f'status {status}')}")
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

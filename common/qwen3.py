@@ -83,6 +83,15 @@ class ModelArgs:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
 
+    def product_shapes(self) -> list[tuple[int, int, int, bool]]:
+        """(in, out, how many per token, bias) of every linear a token's forward multiplies by."""
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layers = self.num_layers
+        return [(self.hidden_size, q_dim + 2 * kv_dim, layers, self.qkv_bias), (q_dim, self.hidden_size, layers, self.o_bias),
+                (self.hidden_size, 2 * self.intermediate_size, layers, self.mlp_bias),
+                (self.intermediate_size, self.hidden_size, layers, self.mlp_bias),
+                (self.hidden_size, self.vocab_size, 1, False)]
+
 
 # ---------------------------------------------------------------------------------------
 # Rotary position embedding (neox style: rotate_half over the whole head).

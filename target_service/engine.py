@@ -21,7 +21,7 @@ import uuid
 
 import torch
 
-from common.cpu_linear import pack_cpu_linears
+from common.cpu_linear import cpu_target_dtype, pack_cpu_linears
 from common.dtypes import config_dtype, resolve_model_dtype
 from common.invariant_attention import make_batch_invariant
 from common.kv_pool import PagePool, remove_stale_shm_files
@@ -44,13 +44,14 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     `drafter_stub` replaces the gRPC stub to `config.drafter` (an in-process drafter)."""
     from transformers import AutoTokenizer
 
-    from common.qwen3 import Qwen3ForCausalLM
+    from common.qwen3 import ModelArgs, Qwen3ForCausalLM
 
     device = config.torch_device()
     torch.manual_seed(config.seed)
     model_path = resolve_model_path(config.model, config.hf_cache_dir)
     hf_config = load_config(model_path)
-    dtype = resolve_model_dtype(config.dtype, device, lambda: config_dtype(hf_config))
+    dtype = resolve_model_dtype(config.dtype, device, lambda: config_dtype(hf_config),
+                                lambda: cpu_target_dtype(ModelArgs.from_config(hf_config).product_shapes(), log))
     tokenizer_path = resolve_model_path(config.tokenizer, config.hf_cache_dir) if config.tokenizer else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     model = Qwen3ForCausalLM.from_pretrained(model_path, dtype=dtype, device=device)

@@ -115,7 +115,7 @@ def load_drafter(config: DrafterConfig) -> Drafter:
 
         return NgramDrafter(cache, k or DEFAULT_NUM_SPECULATIVE_TOKENS, config.ngram_min, config.ngram_max)
     dtype = resolve_model_dtype(config.dtype, torch.device(config.device),
-                                lambda: config_dtype(_model_config(kind, config.model)), cpu_drafter_dtype())
+                                lambda: config_dtype(_model_config(kind, config.model)), cpu_drafter_dtype)
     if kind == "eagle3":
         from draft_service.drafters.eagle3 import Eagle3Drafter
 
