@@ -281,6 +281,7 @@ class TorchAttentionBackend:
     """Portable paged attention with torch ops (CPU and CUDA, NHD and HND pages)."""
 
     name = "torch"
+    batch_invariant = False  # whether a row's output has the same bits whatever else the step holds
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout

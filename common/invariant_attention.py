@@ -125,6 +125,7 @@ class BatchInvariantTorchBackend(TorchAttentionBackend):
     per layer."""
 
     name = "torch-invariant"
+    batch_invariant = True
 
     def __init__(self, layout: KVLayout) -> None:
         super().__init__(layout)

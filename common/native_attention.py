@@ -89,8 +89,6 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
     DTYPE_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16, torch.float8_e4m3fn: KV_BYTE_TABLE,
                    torch.float8_e5m2: KV_BYTE_TABLE}
 
-    batch_invariant = False
-
     def __init__(self, layout: KVLayout) -> None:
         super().__init__(layout)
         self.kernels = NativeKernels.load()

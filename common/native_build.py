@@ -63,11 +63,13 @@ def _cpu_flags() -> str:
 
 
 def _build_key(compiler: str, source: bytes) -> str:
-    """What the library depends on: the source, the flags, the compiler (its resolved path and
-    mtime stand for its version) and the CPU (`-march=native`)."""
+    """What the library depends on: the source and every source it may include (the folder's),
+    the flags, the compiler (its resolved path and mtime stand for its version) and the CPU
+    (`-march=native`)."""
     binary = Path(compiler).resolve()
     compiler_id = f"{binary}:{binary.stat().st_mtime_ns}"
-    parts = [source, " ".join(FLAGS).encode(), compiler_id.encode(), _cpu_flags().encode()]
+    siblings = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.c"))]
+    parts = [source, *siblings, " ".join(FLAGS).encode(), compiler_id.encode(), _cpu_flags().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
 
 

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_arg(model, "torch's, one per core")
     model.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
                        help="run decode and verify steps through the compiled forward (common/compiled_forward.py)")
+    model.add_argument("--native-forward", action=argparse.BooleanOptionalAction, default=True,
+                       help="run every step of a bfloat16 target whose products run on AMX tiles in one native call "
+                            "(common/native_forward.py); --no-native-forward keeps the torch forward")
     model.add_argument("--compile-max-tokens", type=positive_int, default=CompileConfig.max_tokens, metavar="N",
                        help="the largest step, in tokens, that runs compiled; larger ones run eagerly")
 
@@ -132,6 +135,7 @@ def serve_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_waiting=args.max_waiting,
         attention_backend=args.attention_backend,
+        native_forward=args.native_forward,
         cache=cache_config(args),
         enable_prefix_caching=args.prefix_caching,
         seed=args.seed,

@@ -42,6 +42,7 @@ class EngineConfig:
     propose_transport: str = "auto"  # PROPOSE_TRANSPORTS: auto (the pool's shm channel on a CPU) | grpc
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
     compile: CompileConfig = field(default_factory=CompileConfig)  # which step shapes run compiled
+    native_forward: bool = True  # every step in one native call where the model allows (common/native_forward.py)
 
     def __post_init__(self) -> None:
         if self.drafter and not self.internal_token:

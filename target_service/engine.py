@@ -76,7 +76,11 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     if device.type == "cpu":
         remove_stale_shm_files(config.cache.shm_dir)
     pool = PagePool.create(layout, device, config.cache.shm_dir)
-    runner = ModelRunner(model, backend_cls, pool, device, compile_config)
+    native = _native_forward(config, model, layout, backend_cls)
+    if native and compile_config.enabled:
+        log.info("--compile is off: every step runs the native forward")
+        compile_config = dataclasses.replace(compile_config, enabled=False)
+    runner = ModelRunner(model, backend_cls, pool, device, compile_config, native_forward=native)
     info = ModelInfo(
         model_id=config.model,
         architecture=(hf_config.architectures or ["unknown"])[0],
@@ -100,6 +104,20 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
              core.layout.kv_dtype, core.layout.num_pages, core.layout.page_size, core.layout.order,
              shared.describe_drafter() if link else "none")
     return core
+
+
+def _native_forward(config: EngineConfig, model, layout, backend_cls: type) -> bool:
+    """Whether every step runs `common.native_forward.NativeForward`: asked for, and possible."""
+    if not config.native_forward or model.model.embed_tokens.weight.dtype != torch.bfloat16:
+        return False
+    from common.native_forward import native_forward_problem
+
+    problem = native_forward_problem(model, layout.torch_dtype, backend_cls)
+    if problem is not None:
+        log.info("native forward off: %s", problem)
+        return False
+    log.info("native forward on: each step is one call (products on AMX tiles, attention, norms, RoPE in C)")
+    return True
 
 
 def _batch_invariant(model, dtype: torch.dtype, device: torch.device) -> bool:

@@ -53,9 +53,16 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model, backend_cls: type, pool: PagePool, device: torch.device,
-                 compile_config: CompileConfig = CompileConfig()) -> None:
+                 compile_config: CompileConfig = CompileConfig(), native_forward: bool = False) -> None:
+        """`native_forward`: every step through `common.native_forward.NativeForward` (the caller
+        checked `native_forward_problem`), else the compiled or eager forward."""
         self.model = model
         self.forward = CompiledForward(decoder_stack(model), compile_config)  # the model's own forward where not compiled
+        self.native_forward = None
+        if native_forward:
+            from common.native_forward import NativeForward
+
+            self.native_forward = NativeForward(model)
         self.device = device
         self.backend_cls = backend_cls
         self.install_pool(pool)
@@ -109,8 +116,9 @@ class ModelRunner:
         grammar forbids cut there), then verified or sampled. Logprobs read the raw rows."""
         inputs = self.build_inputs(scheduled, drafts)
         self.backend.plan(inputs.meta)
-        hidden, captured = self.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
-                                      capture_layers=self.capture_layers)  # [T, hidden]
+        forward = self.native_forward or self.forward
+        hidden, captured = forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
+                                   capture_layers=self.capture_layers)  # [T, hidden]
         self._stage_hidden(captured, inputs.meta.num_tokens)
         prompt = self._prompt_logprobs(scheduled, inputs, hidden)
         rows, spans = self._logit_rows(scheduled, drafts, inputs)

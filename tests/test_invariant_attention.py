@@ -143,11 +143,15 @@ def test_an_attention_that_is_not_invariant_is_refused(monkeypatch, tmp_path):
 
 
 @needs_bf16
-def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_lm, shm_dir, speculative_engine):
-    """Through the engine: the bfloat16 target picks the invariant attention, and speculative
-    greedy output (an in-process draft model, K=4, one request and four at once) is token for
-    token what the target gives alone."""
+@pytest.mark.parametrize("native_forward", [True, False])
+def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_lm, shm_dir, speculative_engine,
+                                                           native_forward):
+    """Through the engine: the bfloat16 target picks an invariant attention backend (and, where
+    its products run on AMX tiles, the native forward), and speculative greedy output (an
+    in-process draft model, K=4, one request and four at once) is token for token what the
+    target gives alone."""
     from common.kv_layout import CacheConfig
+    from common.native_forward import native_forward_problem
     from target_service.api_types import EngineRequest, SpeculationParams, StopParams
     from target_service.config import EngineConfig
     from target_service.engine import build_engine_core
@@ -167,17 +171,21 @@ def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_l
                 tokens[out.request_id].extend(out.token_ids)
         return [tokens[request_id] for request_id in ids]
 
-    plain = build_engine_core(EngineConfig(model=str(target_model), cache=cache, dtype="bfloat16"))
+    plain = build_engine_core(EngineConfig(model=str(target_model), cache=cache, dtype="bfloat16",
+                                           native_forward=native_forward))
     try:
-        if plain.runner.backend_cls is not BatchInvariantTorchBackend:
+        if not getattr(plain.runner.backend_cls, "batch_invariant", False):
             pytest.skip("this CPU's kernels are not batch-invariant (the engine logged why)")
+        can_run = native_forward_problem(plain.model, plain.runner.backend.layout.torch_dtype,
+                                         plain.runner.backend_cls) is None
+        assert (plain.runner.native_forward is not None) == (native_forward and can_run)
         expected = [generate(plain, [p], speculate=False)[0] for p in PROMPTS[:4]]
         assert all(len(tokens) == 40 for tokens in expected)  # each ran to max_tokens
         assert generate(plain, PROMPTS[:4], speculate=False) == expected  # a batch: the same tokens
     finally:
         plain.close()
     core = speculative_engine(target_model, draft_lm, cache=cache, dtype="bfloat16", num_speculative_tokens=4,
-                              speculative_policy="fixed")
+                              speculative_policy="fixed", native_forward=native_forward)
     try:
         assert [generate(core, [p], speculate=True)[0] for p in PROMPTS[:4]] == expected
         assert generate(core, PROMPTS[:4], speculate=True) == expected

@@ -20,7 +20,7 @@
 #define HAVE_AMX 0
 #endif
 
-enum { OK = 0, NO_AMX = 1, BAD_SHAPE = 2 };
+enum { AMX_OK = 0, AMX_MISSING = 1, AMX_BAD_SHAPE = 2 };
 enum { TILE_ROWS = 16, TILE_K = 32, TILE_N = 16, N_PER_STEP = 2 };
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -29,9 +29,9 @@ enum { TILE_ROWS = 16, TILE_K = 32, TILE_N = 16, N_PER_STEP = 2 };
 // Ask the kernel for the AMX register state (Linux gives it per process, on request).
 int splitspec_amx_init(void) {
 #if HAVE_AMX
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? OK : NO_AMX;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? AMX_OK : AMX_MISSING;
 #else
-    return NO_AMX;
+    return AMX_MISSING;
 #endif
 }
 
@@ -117,8 +117,8 @@ static void rows_against_blocks(const uint16_t *x, int rows, int64_t k, const ui
 int splitspec_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, void *y,
                          int out_f32, int max_threads) {
 #if HAVE_AMX
-    if (m < 0 || k <= 0 || n <= 0 || k % TILE_K || n % TILE_N) return BAD_SHAPE;
-    if (m == 0) return OK;
+    if (m < 0 || k <= 0 || n <= 0 || k % TILE_K || n % TILE_N) return AMX_BAD_SHAPE;
+    if (m == 0) return AMX_OK;
     const int64_t n_blocks = n / TILE_N, pairs = (n_blocks + 1) / 2;
     int threads = max_threads > 0 ? max_threads : 1;
     if (threads > pairs) threads = (int)pairs;
@@ -139,9 +139,9 @@ int splitspec_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t
         }
         if (configured >= 0) _tile_release();
     }
-    return OK;
+    return AMX_OK;
 #else
     (void)x, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)out_f32, (void)max_threads;
-    return NO_AMX;
+    return AMX_MISSING;
 #endif
 }

@@ -1,0 +1,214 @@
+// A Qwen3 / Llama decoder stack's forward in one native call per step (common/native_forward.py):
+// the products on AMX tiles (amx_linear.c), the paged attention and KV writes of
+// paged_attention.c, and everything between them (RMSNorm, q/k norms, RoPE, SiLU, residuals) as
+// row loops here. Each op is one OpenMP region over the step's rows or outputs; nothing goes
+// back to Python between them.
+//
+// Activations are float32; a product's input is rounded to bfloat16 (the tile format) and its
+// output accumulated in float32. Every op computes a row from that row alone, in a fixed order,
+// so a row's bits are the same in a decode, a verify, a batch and a prefill chunk: the forward
+// is batch-invariant by construction, what lossless speculation in bfloat16 needs.
+#include "amx_linear.c"
+#include "paged_attention.c"
+
+#include <math.h>
+
+// statuses: the attention's own (1-4), these, and an AMX product's offset by AMX_STATUS
+enum { FWD_OK = 0, FWD_BAD_SLOT = 11, FWD_NO_MEMORY = 13, FWD_NO_AMX = 15, FWD_BAD_SHAPE = 16, AMX_STATUS = 20 };
+
+#define PRODUCT(...)                              \
+    do {                                          \
+        const int amx = splitspec_amx_linear(__VA_ARGS__); \
+        if (amx != AMX_OK) status = AMX_STATUS + amx; \
+    } while (0)
+
+typedef struct {
+    const uint16_t *qkv, *o, *gate_up, *down;                // tile-packed bfloat16 weights
+    const float *input_norm, *post_norm, *q_norm, *k_norm;  // float32; q/k norms NULL where the model has none
+    uint8_t *kv;                                            // the layer's pool region
+    float *capture;                                         // [T, hidden] after this layer, or NULL
+} DecoderLayer;
+
+typedef struct {
+    int64_t hidden, intermediate, q_heads, kv_heads, head_dim, layers;
+    float eps, scale;
+    const float *final_norm;
+    // the pool regions' geometry (every layer's the same), in bytes; kind KV_F32 or KV_BF16
+    int64_t page_stride, plane_stride, token_stride, head_stride, num_pages;
+    int32_t page_size;
+    int32_t kv_kind;
+} Decoder;
+
+static inline uint16_t round_to_bf16(float value) {  // nearest even, as torch rounds
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float rms_scale(const float *x, int64_t n, float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
+// out[t] = bf16(x[t] * rsqrt(mean(x[t]²) + eps) * weight)
+static void norm_rows_to_bf16(const float *x, const float *weight, uint16_t *out, int64_t rows, int64_t n, float eps,
+                              int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= 8) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = x + t * n;
+        const float scale = rms_scale(row, n, eps);
+        for (int64_t i = 0; i < n; i++) out[t * n + i] = round_to_bf16(row[i] * scale * weight[i]);
+    }
+}
+
+static void rows_to_bf16(const float *x, uint16_t *out, int64_t count, int threads) {
+#pragma omp parallel for num_threads(threads) if (count >= 65536) schedule(static)
+    for (int64_t i = 0; i < count; i++) out[i] = round_to_bf16(x[i]);
+}
+
+static void add_rows(float *x, const float *delta, int64_t count, int threads) {
+#pragma omp parallel for num_threads(threads) if (count >= 65536) schedule(static)
+    for (int64_t i = 0; i < count; i++) x[i] += delta[i];
+}
+
+// [T, 2I] float32 (gate | up) → bf16(silu(gate) * up) [T, I]
+static void silu_mul_rows(const float *gate_up, uint16_t *out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= 8) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = gate[i];
+            out[t * inter + i] = round_to_bf16(g / (1.0f + expf(-g)) * up[i]);
+        }
+    }
+}
+
+// One head vector: its RMSNorm (when weighted), then the neox rotation with the sign folded into
+// sin: out[i] = v[i]·cos[i] + v[(i + D/2) mod D]·sin[i].
+static void norm_and_rotate(const float *v, const float *norm, float eps, const float *cos, const float *sin,
+                            float *out, int64_t dim) {
+    float normed[dim];
+    const float scale = norm != NULL ? rms_scale(v, dim, eps) : 1.0f;
+    for (int64_t i = 0; i < dim; i++) normed[i] = norm != NULL ? v[i] * scale * norm[i] : v[i];
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i++) out[i] = normed[i] * cos[i] + normed[(i + half) % dim] * sin[i];
+}
+
+static void store_vector(uint8_t *at, const float *v, int64_t dim, int32_t kind) {
+    if (kind == KV_F32) {
+        memcpy(at, v, (size_t)dim * sizeof(float));
+    } else {
+        uint16_t *half = (uint16_t *)at;
+        for (int64_t i = 0; i < dim; i++) half[i] = round_to_bf16(v[i]);
+    }
+}
+
+// From the qkv product [T, (Hq + 2 Hkv) D]: q normed and rotated into q_out [T, Hq, D]; k normed,
+// rotated and v stored in the pages at each row's slot.
+static void queries_and_kv(const Decoder *d, const DecoderLayer *layer, const float *qkv, float *q_out,
+                           const float *cos, const float *sin, const int64_t *slots, int64_t rows, int threads) {
+    const int64_t dim = d->head_dim, heads = d->q_heads + d->kv_heads;
+    const int64_t width = (d->q_heads + 2 * d->kv_heads) * dim;
+#pragma omp parallel for num_threads(threads) if (rows * heads >= 16) schedule(static)
+    for (int64_t item = 0; item < rows * heads; item++) {
+        const int64_t t = item / heads, h = item % heads;
+        const float *row = qkv + t * width;
+        const float *row_cos = cos + t * dim, *row_sin = sin + t * dim;
+        if (h < d->q_heads) {
+            norm_and_rotate(row + h * dim, layer->q_norm, d->eps, row_cos, row_sin, q_out + (t * d->q_heads + h) * dim,
+                            dim);
+            continue;
+        }
+        const int64_t kv_head = h - d->q_heads;
+        float key[dim];
+        norm_and_rotate(row + (d->q_heads + kv_head) * dim, layer->k_norm, d->eps, row_cos, row_sin, key, dim);
+        uint8_t *at = layer->kv + (slots[t] / d->page_size) * d->page_stride +
+                      (slots[t] % d->page_size) * d->token_stride + kv_head * d->head_stride;
+        store_vector(at, key, dim, d->kv_kind);
+        store_vector(at + d->plane_stride, row + (d->q_heads + d->kv_heads + kv_head) * dim, dim, d->kv_kind);
+    }
+}
+
+static void norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float scale = rms_scale(x + t * n, n, eps);
+        for (int64_t i = 0; i < n; i++) out[t * n + i] = x[t * n + i] * scale * weight[i];
+    }
+}
+
+// x [T, hidden] float32: the embedded tokens in, the residual stream through the layers (changed
+// in place); out [T, hidden]: after the final norm (also the last layer's capture, as Hugging
+// Face reports it). cos/sin [T, head_dim] (sin signed, see norm_and_rotate). Sequence b owns rows
+// row_start[b] .. row_start[b+1]-1 and pages page_table[b, :table_len]; row t sees its sequence's
+// first row_keys[t] keys and writes its K/V at slots[t].
+int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, float *x, float *out, int64_t rows,
+                              const float *cos, const float *sin, const int32_t *page_table, int64_t table_len,
+                              int64_t num_seqs, const int32_t *row_start, const int32_t *row_keys, const int64_t *slots,
+                              int threads) {
+    if (!HAVE_AMX) return FWD_NO_AMX;
+    if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16) ||
+        d->kv_heads < 1 || d->q_heads % d->kv_heads)
+        return FWD_BAD_SHAPE;
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
+    // every page the attention will read, checked before the first write: a refused step changes nothing
+    const Pool pool = {NULL, 0, 0, 0, 0, d->num_pages, d->page_size};
+    if (num_seqs < 0 || row_start[0] != 0 || row_start[num_seqs] != rows) return BAD_LENGTH;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int32_t count = row_start[b + 1] - row_start[b];
+        if (count < 0) return BAD_LENGTH;
+        const int32_t longest = checked_longest(&pool, row_keys + row_start[b], count, page_table + b * table_len,
+                                                table_len);
+        if (longest < 0) return -longest;
+    }
+    threads = threads > 0 ? threads : 1;
+    const int64_t hidden = d->hidden, inter = d->intermediate, dim = d->head_dim;
+    const int64_t q_width = d->q_heads * dim, qkv_width = (d->q_heads + 2 * d->kv_heads) * dim;
+    const int64_t narrow = hidden > q_width ? (hidden > inter ? hidden : inter) : (q_width > inter ? q_width : inter);
+    const int64_t wide = qkv_width > 2 * inter ? qkv_width : 2 * inter;
+    uint16_t *product_in = malloc(sizeof(uint16_t) * (size_t)(rows * narrow));
+    float *product_out = malloc(sizeof(float) * (size_t)(rows * wide));
+    float *queries = malloc(sizeof(float) * (size_t)(rows * q_width));
+    float *attended = malloc(sizeof(float) * (size_t)(rows * q_width));
+    float *delta = malloc(sizeof(float) * (size_t)(rows * hidden));
+    int status = FWD_OK;
+    if (!product_in || !product_out || !queries || !attended || !delta) status = FWD_NO_MEMORY;
+    for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
+        const DecoderLayer *layer = layers + i;
+        norm_rows_to_bf16(x, layer->input_norm, product_in, rows, hidden, d->eps, threads);
+        PRODUCT(product_in, rows, hidden, layer->qkv, qkv_width, product_out, 1, threads);
+        if (status != FWD_OK) break;
+        queries_and_kv(d, layer, product_out, queries, cos, sin, slots, rows, threads);
+        status = splitspec_paged_attention(queries, attended, layer->kv, d->page_stride, d->plane_stride,
+                                           d->token_stride, d->head_stride, d->num_pages, d->page_size, d->kv_kind,
+                                           NULL, NULL, page_table, table_len, num_seqs, row_start, row_keys, rows,
+                                           (int)d->q_heads, (int)d->kv_heads, (int)dim, d->scale, threads);
+        if (status != FWD_OK) break;
+        rows_to_bf16(attended, product_in, rows * q_width, threads);
+        PRODUCT(product_in, rows, q_width, layer->o, hidden, delta, 1, threads);
+        if (status != FWD_OK) break;
+        add_rows(x, delta, rows * hidden, threads);
+        norm_rows_to_bf16(x, layer->post_norm, product_in, rows, hidden, d->eps, threads);
+        PRODUCT(product_in, rows, hidden, layer->gate_up, 2 * inter, product_out, 1, threads);
+        if (status != FWD_OK) break;
+        silu_mul_rows(product_out, product_in, rows, inter, threads);
+        PRODUCT(product_in, rows, inter, layer->down, hidden, delta, 1, threads);
+        if (status != FWD_OK) break;
+        add_rows(x, delta, rows * hidden, threads);
+        if (layer->capture != NULL && i + 1 < d->layers) memcpy(layer->capture, x, sizeof(float) * (size_t)(rows * hidden));
+    }
+    if (status == FWD_OK) {
+        norm_rows(x, d->final_norm, out, rows, hidden, d->eps);
+        const DecoderLayer *last = layers + d->layers - 1;
+        if (last->capture != NULL) memcpy(last->capture, out, sizeof(float) * (size_t)(rows * hidden));
+    }
+    free(product_in);
+    free(product_out);
+    free(queries);
+    free(attended);
+    free(delta);
+    return status;
+}

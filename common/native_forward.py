@@ -1,0 +1,178 @@
+"""A bfloat16 decoder's forward in one native call per step (`common/native/decoder_forward.c`).
+
+Eager, a decode step of the demo target made ~200 op dispatches (about fifteen per layer
+around four products, plus the paged attention's), each a few µs of Python and dispatcher
+around a few µs of arithmetic; with the products on AMX tiles the dispatch was most of the
+step. Here the products (AMX), the paged attention and KV writes (the native attention's
+code) and the glue between them (RMSNorm, q/k norms, RoPE, SiLU, residuals) run in C, and a
+step is one call: what llama.cpp does with its graph, for one architecture.
+
+Every op computes a row from that row alone in a fixed order, so a row's bits do not depend
+on the step's other rows: the forward is batch-invariant by construction, and speculative
+output stays token-identical to target-only in bfloat16 (tests/test_native_forward.py).
+Activations stay float32 between products (the products round their inputs to bfloat16 and
+sum in float32), so the values differ from the eager bfloat16 forward's by rounding; a model
+runs one forward or the other for all its steps, never both.
+
+Used for a target whose every product runs on AMX tiles (`common/native_linear.py`), with
+float32 or bfloat16 pages, the native attention backend, and no biases; `native_forward_problem`
+says why not otherwise, and the model keeps its eager (or compiled) forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from common.attention_metadata import AttentionMetadata
+from common.native_attention import KV_BF16, KV_F32, NativeCpuAttentionBackend
+from common.native_attention import STATUS as ATTENTION_STATUS
+from common.native_build import NativeKernelUnavailable, load_library
+from common.native_linear import STATUS as AMX_STATUS
+from common.native_linear import AmxLinear, amx_unavailable_reason
+
+PAGE_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16}
+AMX_OFFSET = 20  # decoder_forward.c: an AMX product's status, offset
+STATUS = {**ATTENTION_STATUS, 11: "a slot outside the pool", 13: "out of memory", 15: "no AMX tiles in this build",
+          16: "a shape the forward does not support",
+          **{AMX_OFFSET + code: f"AMX product: {text}" for code, text in AMX_STATUS.items()}}
+
+_P, _I64, _INT, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int32
+
+
+class LayerArgs(ctypes.Structure):
+    _fields_ = [("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P), ("input_norm", _P), ("post_norm", _P),
+                ("q_norm", _P), ("k_norm", _P), ("kv", _P), ("capture", _P)]
+
+
+class DecoderArgs(ctypes.Structure):
+    _fields_ = [("hidden", _I64), ("intermediate", _I64), ("q_heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+                ("layers", _I64), ("eps", _F), ("scale", _F), ("final_norm", _P), ("page_stride", _I64),
+                ("plane_stride", _I64), ("token_stride", _I64), ("head_stride", _I64), ("num_pages", _I64),
+                ("page_size", _I32), ("kv_kind", _I32)]
+
+
+_FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _INT]
+
+
+@functools.cache
+def _load_forward() -> ctypes._CFuncPtr:
+    reason = amx_unavailable_reason()  # requests the tile state too
+    if reason is not None:
+        raise NativeKernelUnavailable(reason)
+    lib = load_library("decoder_forward")
+    lib.splitspec_decoder_forward.argtypes, lib.splitspec_decoder_forward.restype = _FORWARD_ARGS, _INT
+    return lib.splitspec_decoder_forward
+
+
+def native_forward_problem(model, kv_dtype: torch.dtype, backend_cls: type) -> str | None:
+    """Why this model cannot run the native forward here, or None."""
+    args = model.args
+    if model.model.embed_tokens.weight.device.type != "cpu":
+        return "not on a CPU"
+    if args.qkv_bias or args.o_bias or args.mlp_bias:
+        return "its linears have biases"
+    if kv_dtype not in PAGE_KINDS:
+        return f"{kv_dtype} pages (float32 or bfloat16 only)"
+    if not (issubclass(backend_cls, NativeCpuAttentionBackend) and getattr(backend_cls, "batch_invariant", False)):
+        return f"the {backend_cls.name} attention backend (it needs the batch-invariant native one)"
+    for layer in model.model.layers:
+        products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(isinstance(p, AmxLinear) for p in products):
+            return "not every product runs on AMX tiles"
+    try:
+        _load_forward()
+    except NativeKernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+class NativeForward:
+    """The decoder stack's forward with `CompiledForward`'s call signature: final-normed hidden
+    states [T, hidden] float32, and {layer: hidden state after it} (the last layer's after the
+    final norm, as Hugging Face reports it)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._call = _load_forward()
+        args = model.args
+        stack = model.model
+        self._float32: list[torch.Tensor] = []  # float32 copies of the norm weights, kept alive
+        self._layers = (LayerArgs * args.num_layers)()
+        for i, layer in enumerate(stack.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            entry = self._layers[i]
+            entry.qkv, entry.o = attention.qkv_proj._packed_address, attention.o_proj._packed_address
+            entry.gate_up, entry.down = mlp.gate_up_proj._packed_address, mlp.down_proj._packed_address
+            entry.input_norm = self._keep(layer.input_layernorm.weight)
+            entry.post_norm = self._keep(layer.post_attention_layernorm.weight)
+            entry.q_norm = self._keep(attention.q_norm.weight) if attention.qk_norm else None
+            entry.k_norm = self._keep(attention.k_norm.weight) if attention.qk_norm else None
+        self._decoder = DecoderArgs(hidden=args.hidden_size, intermediate=args.intermediate_size,
+                                    q_heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                                    layers=args.num_layers, eps=args.rms_norm_eps, scale=args.head_dim**-0.5,
+                                    final_norm=self._keep(stack.norm.weight))
+        self._pool_key: tuple | None = None
+
+    def _keep(self, weight: torch.Tensor) -> int:
+        copy = weight.detach().float().contiguous()
+        self._float32.append(copy)
+        return copy.data_ptr()
+
+    def _point_at_pool(self, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+                       backend: NativeCpuAttentionBackend) -> None:
+        """Each layer's region base and their shared geometry, refreshed when the pool changes."""
+        regions = [kv_caches[i] for i in range(len(self._layers))]
+        key = tuple((r.data_ptr(), r.dtype) + tuple(r.shape) for r in regions)
+        if key == self._pool_key:
+            return
+        geometry = {backend._region_geometry(r) for r in regions}
+        if len(geometry) != 1:
+            raise ValueError("native forward: the layers' pool regions differ in geometry")
+        (strides, heads_and_dim), = geometry
+        if heads_and_dim != (self._decoder.kv_heads, self._decoder.head_dim):
+            raise ValueError(f"native forward: pages of {heads_and_dim} (heads, dim) for a model of "
+                             f"{(self._decoder.kv_heads, self._decoder.head_dim)}")
+        d = self._decoder
+        d.page_stride, d.plane_stride, d.token_stride, d.head_stride = strides
+        d.num_pages, d.page_size = regions[0].shape[0], backend.layout.page_size
+        d.kv_kind = PAGE_KINDS[regions[0].dtype]
+        for entry, region in zip(self._layers, regions, strict=True):
+            entry.kv = region.data_ptr()
+        self._pool_key = key
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        meta: AttentionMetadata,
+        kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+        backend: NativeCpuAttentionBackend,
+        capture_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        tokens = input_ids.shape[0]
+        rows = backend._rows
+        if rows is None or rows.row_keys.shape[0] != tokens or positions.shape[0] != tokens:
+            raise RuntimeError(f"native forward: {tokens} ids and {positions.shape[0]} positions for a step planned "
+                               f"for {None if rows is None else rows.row_keys.shape[0]} rows (was plan(meta) called?)")
+        count = len(self._layers)
+        wanted = set(capture_layers)
+        if any(not 0 <= i < count for i in wanted):
+            raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{count - 1}")
+        self._point_at_pool(kv_caches, backend)
+        x = self.model.embed(input_ids).float().contiguous()  # [T, hidden]
+        cos, sin = (t.contiguous() for t in self.model.rotary(positions, torch.float32))  # [T, D] each
+        out = torch.empty_like(x)  # [T, hidden]
+        captured = {i: torch.empty_like(x) for i in wanted}
+        for i in range(count):
+            self._layers[i].capture = captured[i].data_ptr() if i in captured else None
+        status = self._call(ctypes.byref(self._decoder), self._layers, x.data_ptr(), out.data_ptr(), tokens,
+                            cos.data_ptr(), sin.data_ptr(), rows.page_table.data_ptr(),
+                            rows.page_table.shape[1], rows.page_table.shape[0], rows.row_start.data_ptr(),
+                            rows.row_keys.data_ptr(), rows.slot_mapping.data_ptr(), rows.threads)
+        if status != 0:
+            raise ValueError(f"native forward: {STATUS.get(status, f'status {status}')}")
+        return out, captured

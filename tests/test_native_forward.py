@@ -1,0 +1,156 @@
+"""The bfloat16 decoder forward in one native call (common/native_forward.py): the values of the
+torch forward up to rounding, each row's bits independent of the step's other rows, KV pages
+written as the attention reads them, and crafted slots or page ids refused."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from common.attention_metadata import AttentionMetadata
+from common.cpu_linear import pack_cpu_linears
+from common.kv_layout import build_layout
+from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
+from common.native_forward import NativeForward, native_forward_problem
+from common.native_linear import amx_unavailable_reason
+from common.qwen3 import Qwen3ForCausalLM
+from tests.tiny_models import make_qwen3
+
+log = logging.getLogger(__name__)
+AMX_MISSING = amx_unavailable_reason()
+pytestmark = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX products here: {AMX_MISSING}")
+PAGE_SIZE = 16
+
+
+def _on_tiles(kernel: str, rows: int, call) -> float:
+    call()
+    return 1e-6 if kernel == "amx" else 2e-6  # seconds: the AMX kernel "measures" faster
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_qwen3(tmp_path_factory.mktemp("native-forward") / "m")
+    model = Qwen3ForCausalLM.from_pretrained(path, torch.bfloat16, "cpu")
+    pack_cpu_linears(model, log, timer=_on_tiles)
+    return model
+
+
+class Pool:
+    """Every layer's pages, the invariant native backend, and steps run through a forward."""
+
+    def __init__(self, model, kv_dtype: str = "bfloat16", order: str = "NHD", num_pages: int = 64) -> None:
+        self.layout = build_layout(order=order, page_size=PAGE_SIZE, kv_dtype=kv_dtype, num_pages=num_pages,
+                                   layers=model.kv_layer_specs())
+        self.caches = [torch.zeros(self.layout.region_shape(spec), dtype=self.layout.torch_dtype)
+                       for spec in self.layout.layers]
+        self.backend = BatchInvariantNativeBackend(self.layout)
+
+    def step(self, forward, ids: list[int], query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+             capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
+                                       page_size=PAGE_SIZE, device=torch.device("cpu"))
+        positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
+        self.backend.plan(meta)
+        with torch.inference_mode():
+            return forward(torch.tensor(ids), torch.tensor(positions), meta, self.caches, self.backend, capture)
+
+
+def _tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(0, 500, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
+def test_the_native_forward_computes_what_the_torch_forward_does(model, order, kv_dtype):
+    """A prefill of two sequences then a decode of each, through both forwards on their own pages:
+    the same hidden states up to bfloat16 rounding (the native one keeps float32 activations)."""
+    native, torch_pool, native_pool = NativeForward(model), Pool(model, kv_dtype, order), Pool(model, kv_dtype, order)
+    tables = [[3, 7, 9], [12, 4]]
+    a, b = _tokens(30, 1), _tokens(20, 2)
+    steps = [(a + b, [30, 20], [30, 20]), (_tokens(2, 3), [1, 1], [31, 21])]
+    for ids, query_lens, seq_lens in steps:
+        expected, _ = torch_pool.step(model, ids, query_lens, seq_lens, tables)
+        got, _ = native_pool.step(native, ids, query_lens, seq_lens, tables)
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        scale = expected.float().abs().max()
+        assert ((got - expected.float()).abs().max() / scale) < 0.05
+        logits_expected, logits_got = model.compute_logits(expected), model.compute_logits(got)
+        assert (logits_got.argmax(-1) == logits_expected.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.fixture
+def rows_four_ways(model):
+    native = NativeForward(model)
+    tokens, other = _tokens(49, 5), _tokens(25, 6)
+    table, other_table = [1, 2, 3, 4], [5, 6]
+    capture = (0, model.num_layers - 1)
+    results = {}
+
+    pool = Pool(model)
+    pool.step(native, tokens[:40], [40], [40], [table])
+    decodes = [pool.step(native, [tokens[p]], [1], [p + 1], [table], capture) for p in range(40, 49)]
+    results["decodes"] = (torch.cat([h for h, _ in decodes]), {i: torch.cat([c[i] for _, c in decodes]) for i in capture})
+
+    pool = Pool(model)
+    pool.step(native, tokens[:40], [40], [40], [table])
+    results["verify"] = pool.step(native, tokens[40:49], [9], [49], [table], capture)
+
+    pool = Pool(model)
+    pool.step(native, tokens[:40], [40], [40], [table])
+    hidden, captured = pool.step(native, other + tokens[40:49], [25, 9], [25, 49], [other_table, table], capture)
+    results["batch"] = (hidden[25:], {i: c[25:] for i, c in captured.items()})
+
+    pool = Pool(model)
+    hidden, captured = pool.step(native, tokens, [49], [49], [table], capture)
+    results["prefill"] = (hidden[40:], {i: c[40:] for i, c in captured.items()})
+    return results
+
+
+def test_a_row_has_the_same_bits_in_a_decode_a_verify_a_batch_and_a_prefill(rows_four_ways):
+    """What lossless bfloat16 speculation needs: rows 40-48 of one sequence computed one decode at a
+    time, as one verify of 9, as a verify beside another sequence's prefill, and inside one prefill
+    of 49 tokens, bit for bit; captured layers too."""
+    expected_hidden, expected_captured = rows_four_ways["decodes"]
+    for way in ("verify", "batch", "prefill"):
+        hidden, captured = rows_four_ways[way]
+        assert torch.equal(hidden, expected_hidden), way
+        for layer, values in expected_captured.items():
+            assert torch.equal(captured[layer], values), (way, layer)
+
+
+def test_the_last_capture_is_after_the_final_norm(model):
+    native, pool = NativeForward(model), Pool(model)
+    hidden, captured = pool.step(native, _tokens(12, 7), [12], [12], [[1]], capture=(0, model.num_layers - 1))
+    assert torch.equal(captured[model.num_layers - 1], hidden)
+    assert not torch.equal(captured[0], hidden)
+
+
+def test_crafted_slots_and_page_ids_are_refused_and_nothing_is_written(model):
+    native, pool = NativeForward(model), Pool(model, num_pages=8)
+    before = [cache.clone() for cache in pool.caches]
+    meta = AttentionMetadata.build(query_lens=[4], seq_lens=[20], page_tables=[[3, 5]], page_size=PAGE_SIZE,
+                                   device=torch.device("cpu"))
+    meta.page_table_tensor[0, 0] = 99  # the keys of an earlier page, claimed to live past the pool
+    pool.backend.plan(meta)
+    with pytest.raises(ValueError, match="a page id outside the pool"), torch.inference_mode():
+        native(torch.tensor(_tokens(4, 8)), torch.arange(16, 20), meta, pool.caches, pool.backend)
+    meta = AttentionMetadata.build(query_lens=[1], seq_lens=[1], page_tables=[[2]], page_size=PAGE_SIZE,
+                                   device=torch.device("cpu"))
+    meta.slot_mapping[0] = 8 * PAGE_SIZE + 3  # a slot past the pool
+    pool.backend.plan(meta)
+    with pytest.raises(ValueError, match="a slot outside the pool"), torch.inference_mode():
+        native(torch.tensor([1]), torch.tensor([0]), meta, pool.caches, pool.backend)
+    with pytest.raises(ValueError, match="capture_layers"):
+        pool.step(native, [1], [1], [1], [[2]], capture=(model.num_layers,))
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.caches))
+
+
+def test_where_the_native_forward_cannot_run_it_says_why(model, tmp_path):
+    assert native_forward_problem(model, torch.bfloat16, BatchInvariantNativeBackend) is None
+    assert "float8" in native_forward_problem(model, torch.float8_e4m3fn, BatchInvariantNativeBackend)
+    assert "batch-invariant native" in native_forward_problem(model, torch.bfloat16, NativeCpuAttentionBackend)
+    float32 = Qwen3ForCausalLM.from_pretrained(make_qwen3(tmp_path / "f"), torch.float32, "cpu")
+    pack_cpu_linears(float32, log)
+    assert "AMX tiles" in native_forward_problem(float32, torch.float32, BatchInvariantNativeBackend)
