@@ -159,7 +159,7 @@ def test_speculative_greedy_through_the_compiled_forward_equals_eager_target_onl
                 tokens.extend(out.token_ids)
         return tokens
 
-    eager = build_engine_core(EngineConfig(model=str(target_model), cache=cache))
+    eager = build_engine_core(EngineConfig(model=str(target_model), cache=cache, dtype="float32"))
     try:
         expected = [generate(eager, p, speculate=False) for p in PROMPTS[:3]]
     finally:

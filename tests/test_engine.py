@@ -37,7 +37,7 @@ def hf_greedy(model_dir):
 
 def _core(model_dir, tmp_path, **kw):
     cache = CacheConfig(**{"cache_dtype": "float32", "shm_dir": str(tmp_path), **kw.pop("cache", {})})
-    return build_engine_core(EngineConfig(model=str(model_dir), cache=cache, **kw))
+    return build_engine_core(EngineConfig(model=str(model_dir), cache=cache, **{"dtype": "float32", **kw}))
 
 
 def run_all(core, requests: list[EngineRequest]) -> dict[str, list]:
