@@ -340,7 +340,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
         core = build_engine_core(engine_config(models, tmp, k, compile_steps=compile_steps))
         core.warmup()
         rows.append(EngineRow(4, "splitspec, target only", core))
-        kernels = describe_kernels(core.model)
+        kernels = [f"forward: {forward_description(core)}", *describe_kernels(core.model)]
         for row, kind in ((5, "ngram"), (6, "draft_model"), (7, "dflash")):
             drafter = DrafterProcess(kind, models, token, Path(tmp) / f"{kind}.log", tmp, compile_steps)
             drafters.append(drafter)
@@ -371,6 +371,18 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
             core.close()
         for drafter in drafters:
             drafter.stop()
+
+
+def forward_description(core: EngineCore) -> str:
+    """How row 4's target computes a step: its dtype, and the native, compiled or eager forward."""
+    runner = core.runner
+    if runner.native_forward is not None:
+        kind = "one native call per step"
+    elif runner.forward.buckets():
+        kind = "compiled (--compile)"
+    else:
+        kind = "eager"
+    return f"{core.model_info.dtype}, {kind}"
 
 
 def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...],
@@ -407,7 +419,8 @@ def table(results: list[Result], args: argparse.Namespace, kernels: list[str] = 
         f"Measured {date.today()} on {read_cpu_info().describe()}, torch {torch.__version__}, "
         f"{'--threads ' + str(args.threads) + ' (not the default)' if args.threads else 'default threads'} "
         f"({torch.get_num_threads()} torch threads in the engines), "
-        f"{'compiled forward (--compile)' if args.compile else 'eager forward'}; "
+        f"{'--compile' if args.compile else 'default forward'}"
+        f"{' (row 4: ' + kernels[0].removeprefix('forward: ') + ')' if kernels else ''}; "
         f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k} "
         f"({args.speculative_policy} policy); "
         f"each row the median of {args.repeat} runs, the rows taking turns.",
@@ -423,9 +436,9 @@ def table(results: list[Result], args: argparse.Namespace, kernels: list[str] = 
                      f"| {_fmt(r.step_ms, '.1f')} | {_fmt(r.verify_ms, '.1f')} | {_fmt(r.propose_ms, '.2f')} "
                      f"| {_fmt(r.drafter_ms, '.2f')} "
                      f"| {r.note} |")
-    if kernels:
+    if kernels[1:]:
         lines += ["", "CPU linear kernels row 4's target chose at load, by shape and row count: "
-                  + "; ".join(f"`{k}`" for k in kernels)]
+                  + "; ".join(f"`{k}`" for k in kernels[1:])]
     return "\n".join(lines) + "\n"
 
 

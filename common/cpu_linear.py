@@ -323,8 +323,11 @@ def describe_rows(in_features: int, out_features: int, plain_rows: frozenset[int
 
 def describe_kernels(model: nn.Module) -> list[str]:
     """The kernel each packed layer shape of `model` runs at each row count, one line per shape."""
-    shapes = {(m.in_features, m.out_features, m.weight.dtype): m for m in model.modules() if isinstance(m, PackedLinear)}
-    return [f"{describe_rows(i, o, layer.plain_rows, packed_row_counts())} ({str(dtype).removeprefix('torch.')})"
+    shapes = {(m.in_features, m.out_features, m.weight.dtype): m for m in model.modules()
+              if isinstance(m, PackedLinear | AmxLinear)}
+    return [f"{i}->{o}: AMX tiles at every row count ({str(dtype).removeprefix('torch.')})"
+            if isinstance(layer, AmxLinear)
+            else f"{describe_rows(i, o, layer.plain_rows, packed_row_counts())} ({str(dtype).removeprefix('torch.')})"
             for (i, o, dtype), layer in shapes.items()]
 
 

@@ -74,7 +74,7 @@ def core(request, models, tmp_path_factory):
     cache = CacheConfig(cache_dtype="float32", shm_dir=str(tmp), num_pages=512, page_size=8)
     engine = build_engine_core(EngineConfig(
         model=str(models.target), cache=cache, drafter=drafter.address if drafter else None, internal_token=TOKEN,
-        speculative_policy="fixed", max_num_batched_tokens=128))
+        speculative_policy="fixed", max_num_batched_tokens=128, dtype="float32"))
     try:
         assert drafter is None or engine.link.ready, engine.link.detail
         yield kind, engine

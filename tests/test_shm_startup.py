@@ -56,7 +56,7 @@ def test_a_shm_dir_too_small_for_the_pool_is_a_clear_startup_error(tiny_model, t
     log_path = tmp_path / "target.log"
     cmd = [*prefix, "sh", "-c", MOUNT_AND_RUN, "sh", str(tiny), sys.executable, "-m", "target_service.cli",
            "--model", str(tiny_model), "--port", "0", "--metrics-port", "0", "--shm-dir", str(tiny),
-           "--num-pages", "4096"]  # 8 KiB a page: 32 MiB on a 2 MiB tmpfs
+           "--num-pages", "4096", "--dtype", "float32"]  # 8 KiB a float32 page: 32 MiB on a 2 MiB tmpfs
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
