@@ -28,7 +28,9 @@ def models(spec_models):
 
 
 def target_args(model: Path, shm_dir: Path, kv_dtype: str, *extra: str) -> list[str]:
-    return ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), "--kv-cache-dtype", kv_dtype,
+    """A float32 target (its references are float32 transformers and dflash_generate)."""
+    return ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), "--kv-cache-dtype", kv_dtype, "--dtype",
+            "float32",
             "--num-pages", "256", "--page-size", "8", "--max-num-batched-tokens", "128", *extra]
 
 

@@ -61,7 +61,8 @@ def test_drafter_over_target_family_is_lossless(family, kind, tmp_path):
         drafter.wait_serving()
         target = Service("target_service.cli",
                          ["--model", str(target_dir), "--port", "0", "--shm-dir", str(tmp_path), "--num-pages",
-                          "256", "--page-size", "8", "--drafter", drafter.address, "--speculative-policy", "fixed"],
+                          "256", "--page-size", "8", "--drafter", drafter.address, "--speculative-policy", "fixed",
+                          "--dtype", "float32"],
                          tmp_path / "target.log")
         address = target.wait_serving()
         plain = run_prompts(address, disable=True)
