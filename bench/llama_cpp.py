@@ -8,7 +8,8 @@ greedily (token ids from the demo tokenizer, no BOS), `--new-tokens` each, keepi
 step over every sequence in flight, a finished sequence's slot refilled with the next prompt),
 splitspec through the engine as `bench/compare.py` drives it, with the same threads. The rows
 take turns; each figure is the median of `--repeat` runs. The outputs are compared token for
-token (llama.cpp F32 against splitspec float32). Usage:
+token (llama.cpp F32 against splitspec float32, BF16 against splitspec's bfloat16 default where
+that is the default). Usage:
   scripts/setup_llama_cpp.sh && .venv/bin/python bench/llama_cpp.py [--concurrency 1,8] [--repeat 3]
 
 The demo tokenizer's pre-tokenizer hash is unknown to the converter; it is a GPT-2-style
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import importlib
 import statistics
 import subprocess
@@ -34,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.compare import engine_config, load_held_out, run_engine  # noqa: E402
+from bench.compare import engine_config, forward_description, load_held_out, run_engine  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 
@@ -150,18 +152,21 @@ class LlamaCpp:
 
 
 def splitspec_row(models: Path, prompts: list[list[int]], new_tokens: int, concurrency: int, repeat: int,
-                  shm_dir: str, compile_steps: bool) -> tuple[float, dict[int, list[int]]]:
-    """(tokens/s, outputs) of splitspec target-only with its defaults, as bench/compare.py's row 4."""
-    core = build_engine_core(engine_config(models, shm_dir, k=8, compile_steps=compile_steps))
+                  shm_dir: str, compile_steps: bool, dtype: str | None = None) -> tuple[str, float, dict[int, list[int]]]:
+    """(how it computes, tokens/s, outputs) of splitspec target-only with its defaults (bench/compare.py's
+    row 4), or in `dtype`."""
+    config = engine_config(models, shm_dir, k=8, compile_steps=compile_steps)
+    core = build_engine_core(config if dtype is None else dataclasses.replace(config, dtype=dtype))
     try:
         core.warmup()
+        described = forward_description(core)
         outputs: dict[int, list[int]] = {}
         rates = []
         for _ in range(repeat):
             outputs = {}
             tokens, seconds, *_ = run_engine(core, prompts, new_tokens, concurrency, speculate=False, outputs=outputs)
             rates.append(tokens / seconds)
-        return statistics.median(rates), outputs
+        return described, statistics.median(rates), outputs
     finally:
         core.close()
 
@@ -198,12 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         ggufs = {t: convert(args.models / "target", args.llama_cpp, t, Path(tmp))
                  for t in args.types.split(",")}
         for concurrency in levels:
-            ours, our_outputs = splitspec_row(args.models, prompts, args.new_tokens, concurrency, args.repeat, tmp,
-                                              False)
-            rows.append(("splitspec target only (float32, defaults)", concurrency, ours))
-            if args.compile:
-                compiled, _ = splitspec_row(args.models, prompts, args.new_tokens, concurrency, args.repeat, tmp, True)
-                rows.append(("splitspec target only (float32, --compile)", concurrency, compiled))
+            described, ours, default_outputs = splitspec_row(args.models, prompts, args.new_tokens, concurrency,
+                                                             args.repeat, tmp, False)
+            rows.append((f"splitspec target only (defaults: {described})", concurrency, ours))
+            default_dtype = described.split(",")[0]
+            float32_outputs = default_outputs
+            if default_dtype != "float32" or args.compile:
+                described, rate, float32_outputs = splitspec_row(args.models, prompts, args.new_tokens, concurrency,
+                                                                 args.repeat, tmp, args.compile, "float32")
+                rows.append((f"splitspec target only ({described})", concurrency, rate))
             for outtype, gguf in ggufs.items():
                 engine = LlamaCpp(lib, gguf, threads, concurrency, context)
                 try:
@@ -213,15 +221,16 @@ def main(argv: list[str] | None = None) -> int:
                     engine.close()
                 rate = statistics.median(sum(map(len, out.values())) / seconds for out, seconds in runs)
                 rows.append((f"llama.cpp {outtype.upper()}", concurrency, rate))
-                if outtype == "f32":
-                    same = sum(runs[0][0][i] == our_outputs[i] for i in our_outputs)
-                    notes.append(f"concurrency {concurrency}: llama.cpp F32 and splitspec float32 greedy outputs "
-                                 f"identical for {same}/{len(our_outputs)} prompts")
+                ours_in = {"f32": ("float32", float32_outputs), "bf16": ("bfloat16", default_outputs)}[outtype]
+                if outtype == "f32" or default_dtype == "bfloat16":
+                    same = sum(runs[0][0][i] == ours_in[1][i] for i in ours_in[1])
+                    notes.append(f"concurrency {concurrency}: llama.cpp {outtype.upper()} and splitspec {ours_in[0]} "
+                                 f"greedy outputs identical for {same}/{len(ours_in[1])} prompts")
     print(f"Measured on {read_cpu_info().describe()}, torch {torch.__version__}, {threads} threads for both "
           f"engines; demo target, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy; "
           f"median of {args.repeat} runs.\n")
     print("| engine | concurrency | tok/s | splitspec / this |\n|---|---:|---:|---:|")
-    ours_at = {c: rate for name, c, rate in rows if name.endswith("defaults)")}
+    ours_at = {c: rate for name, c, rate in rows if name.startswith("splitspec target only (defaults")}
     for name, concurrency, rate in rows:
         print(f"| {name} | {concurrency} | {rate:.1f} | {ours_at[concurrency] / rate:.2f} |")
     print("\n" + "\n".join(notes))

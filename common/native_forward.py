@@ -26,8 +26,10 @@ import functools
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from common.attention_metadata import AttentionMetadata
+from common.compiled_forward import DecoderStack
 from common.native_attention import KV_BF16, KV_F32, NativeCpuAttentionBackend
 from common.native_attention import STATUS as ATTENTION_STATUS
 from common.native_build import NativeKernelUnavailable, load_library
@@ -68,18 +70,23 @@ def _load_forward() -> ctypes._CFuncPtr:
     return lib.splitspec_decoder_forward
 
 
-def native_forward_problem(model, kv_dtype: torch.dtype, backend_cls: type) -> str | None:
-    """Why this model cannot run the native forward here, or None."""
-    args = model.args
-    if model.model.embed_tokens.weight.device.type != "cpu":
+def native_forward_problem(stack: DecoderStack, kv_dtype: torch.dtype, backend_cls: type,
+                           batch_invariant: bool = True) -> str | None:
+    """Why this decoder stack cannot run the native forward here, or None. `batch_invariant`:
+    the caller needs every row invariant (a target): the backend must be the invariant native
+    one; otherwise (a drafter) the plain native one does, for steps whose queries it plans."""
+    args = stack.args
+    if stack.embed.device.type != "cpu":
         return "not on a CPU"
     if args.qkv_bias or args.o_bias or args.mlp_bias:
         return "its linears have biases"
     if kv_dtype not in PAGE_KINDS:
         return f"{kv_dtype} pages (float32 or bfloat16 only)"
-    if not (issubclass(backend_cls, NativeCpuAttentionBackend) and getattr(backend_cls, "batch_invariant", False)):
-        return f"the {backend_cls.name} attention backend (it needs the batch-invariant native one)"
-    for layer in model.model.layers:
+    if not issubclass(backend_cls, NativeCpuAttentionBackend) or (
+            batch_invariant and not getattr(backend_cls, "batch_invariant", False)):
+        return (f"the {backend_cls.name} attention backend (it needs the "
+                f"{'batch-invariant ' if batch_invariant else ''}native one)")
+    for layer in stack.layers:
         products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(isinstance(p, AmxLinear) for p in products):
             return "not every product runs on AMX tiles"
@@ -91,15 +98,15 @@ def native_forward_problem(model, kv_dtype: torch.dtype, backend_cls: type) -> s
 
 
 class NativeForward:
-    """The decoder stack's forward with `CompiledForward`'s call signature: final-normed hidden
+    """A decoder stack's forward with `CompiledForward`'s call signature: final-normed hidden
     states [T, hidden] float32, and {layer: hidden state after it} (the last layer's after the
-    final norm, as Hugging Face reports it)."""
+    final norm, as Hugging Face reports it). The pool layer each layer attends over is
+    `stack.layer_spec`'s; the step's rows are what `backend.plan(meta)` planned."""
 
-    def __init__(self, model) -> None:
-        self.model = model
+    def __init__(self, stack: DecoderStack) -> None:
+        self.stack = stack
         self._call = _load_forward()
-        args = model.args
-        stack = model.model
+        args = stack.args
         self._float32: list[torch.Tensor] = []  # float32 copies of the norm weights, kept alive
         self._layers = (LayerArgs * args.num_layers)()
         for i, layer in enumerate(stack.layers):
@@ -114,13 +121,19 @@ class NativeForward:
         self._decoder = DecoderArgs(hidden=args.hidden_size, intermediate=args.intermediate_size,
                                     q_heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                                     layers=args.num_layers, eps=args.rms_norm_eps, scale=args.head_dim**-0.5,
-                                    final_norm=self._keep(stack.norm.weight))
+                                    final_norm=self._keep(stack.final_norm))
         self._pool_key: tuple | None = None
 
     def _keep(self, weight: torch.Tensor) -> int:
         copy = weight.detach().float().contiguous()
         self._float32.append(copy)
         return copy.data_ptr()
+
+    def runs(self, backend, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> bool:
+        """Whether this planned step can run here: on the native backend, which planned its rows
+        (the plain one leaves a long prefill to SDPA), over float32 or bfloat16 pages."""
+        return (isinstance(backend, NativeCpuAttentionBackend) and backend._rows is not None
+                and kv_caches[0].dtype in PAGE_KINDS)
 
     def _point_at_pool(self, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
                        backend: NativeCpuAttentionBackend) -> None:
@@ -163,8 +176,10 @@ class NativeForward:
         if any(not 0 <= i < count for i in wanted):
             raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{count - 1}")
         self._point_at_pool(kv_caches, backend)
-        x = self.model.embed(input_ids).float().contiguous()  # [T, hidden]
-        cos, sin = (t.contiguous() for t in self.model.rotary(positions, torch.float32))  # [T, D] each
+        x = F.embedding(input_ids, self.stack.embed).float()  # [T, hidden]
+        if self.stack.embed_scale != 1.0:
+            x *= self.stack.embed_scale
+        cos, sin = (t.contiguous() for t in self.stack.rotary(positions, torch.float32))  # [T, D] each
         out = torch.empty_like(x)  # [T, hidden]
         captured = {i: torch.empty_like(x) for i in wanted}
         for i in range(count):

@@ -282,6 +282,7 @@ class DFlashDraftModel(FeatureHead):
         self.hidden_norm = RMSNorm(hidden, self.args.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.args.head_dim)
         self.compiled_block: CompiledForward | None = None  # set by use_compiled
+        self.native_block = None  # common.native_forward.NativeForward, set by use_native
         self.compiled_context: CompiledRows | None = None
 
     # -- loading ------------------------------------------------------------------------
@@ -350,6 +351,20 @@ class DFlashDraftModel(FeatureHead):
             weights += [layer.self_attn.qkv_proj.weight[q_size:], layer.self_attn.k_norm.weight]
         self.compiled_context = CompiledRows(rows, weights, config, "dflash context", frozen_weights=True)
 
+    def use_native(self, embed: torch.Tensor) -> str | None:
+        """Run the block through the draft layers in one native call (common/native_forward.py)
+        where its products run on AMX tiles; why not, or None. A step runs it where the pool's
+        pages and the attention backend allow (`NativeForward.runs`), else eagerly. New context
+        rows are still written by torch, before the block."""
+        from common.native_attention import NativeCpuAttentionBackend
+        from common.native_forward import NativeForward, native_forward_problem
+
+        stack = self.decoder_stack(embed)
+        problem = native_forward_problem(stack, torch.bfloat16, NativeCpuAttentionBackend, batch_invariant=False)
+        if problem is None:
+            self.native_block = NativeForward(stack)
+        return problem
+
     def decoder_stack(self, embed: torch.Tensor) -> DecoderStack:
         return DecoderStack(self.args, embed, self.rotary, self.layers, self.norm.weight, self.forward_block,
                             lambda backend, i: backend.layout.layer("draft", i), self.dflash.input_embedding_scale)
@@ -402,11 +417,15 @@ class DFlashDraftModel(FeatureHead):
         if self.compiled_context is not None:
             self._write_new_context(NewContext(features, positions, meta.slot_mapping), kv_caches, backend.layout)
             return
-        context = self.project_context(features)  # [T, hidden]
-        cos, sin = self.rotary(positions, context.dtype)  # [T, D] each
+        self._write_context_rows(NewContext(features, positions, meta.slot_mapping), kv_caches, backend.layout)
+
+    def _write_context_rows(self, new_context: NewContext, kv_caches, layout: KVLayout) -> None:
+        """`write_context`'s eager path for rows held back until this block."""
+        context = self.project_context(new_context.features)  # [Tc, hidden]
+        cos, sin = self.rotary(new_context.positions, context.dtype)  # [Tc, D] each
         for i, layer in enumerate(self.layers):
-            k, v = context_kv(layer.self_attn, context, cos, sin)  # [T, Hkv, D] each
-            self._write_kv(i, k, v, meta.slot_mapping, kv_caches, backend.layout)
+            k, v = context_kv(layer.self_attn, context, cos, sin)  # [Tc, Hkv, D] each
+            self._write_kv(i, k, v, new_context.slot_mapping, kv_caches, layout)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:  # [T, n * hidden] → [T, hidden]
         return self.hidden_norm(self.fc(features.to(self.dtype)))
@@ -447,6 +466,11 @@ class DFlashDraftModel(FeatureHead):
             if new_context is not None:
                 self._write_new_context(new_context, kv_caches, layout)
             hidden, _ = self.compiled_block(ids, positions, meta, kv_caches, backend)  # [T, hidden], normed
+        elif self.native_block is not None and self.native_block.runs(backend, kv_caches):
+            if new_context is not None:
+                self._write_context_rows(new_context, kv_caches, layout)
+            hidden, _ = self.native_block(ids, positions, meta, kv_caches, backend)  # [T, hidden] float32, normed
+            hidden = hidden.to(self.dtype)
         elif new_context is None:
             hidden, _ = self.forward_block(ids, positions, meta, kv_caches, backend)
         else:

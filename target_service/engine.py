@@ -110,9 +110,10 @@ def _native_forward(config: EngineConfig, model, layout, backend_cls: type) -> b
     """Whether every step runs `common.native_forward.NativeForward`: asked for, and possible."""
     if not config.native_forward or model.model.embed_tokens.weight.dtype != torch.bfloat16:
         return False
+    from common.compiled_forward import decoder_stack
     from common.native_forward import native_forward_problem
 
-    problem = native_forward_problem(model, layout.torch_dtype, backend_cls)
+    problem = native_forward_problem(decoder_stack(model), layout.torch_dtype, backend_cls)
     if problem is not None:
         log.info("native forward off: %s", problem)
         return False

@@ -62,7 +62,7 @@ class ModelRunner:
         if native_forward:
             from common.native_forward import NativeForward
 
-            self.native_forward = NativeForward(model)
+            self.native_forward = NativeForward(decoder_stack(model))
         self.device = device
         self.backend_cls = backend_cls
         self.install_pool(pool)

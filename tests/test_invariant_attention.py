@@ -150,6 +150,7 @@ def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_l
     its products run on AMX tiles, the native forward), and speculative greedy output (an
     in-process draft model, K=4, one request and four at once) is token for token what the
     target gives alone."""
+    from common.compiled_forward import decoder_stack
     from common.kv_layout import CacheConfig
     from common.native_forward import native_forward_problem
     from target_service.api_types import EngineRequest, SpeculationParams, StopParams
@@ -176,7 +177,7 @@ def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_l
     try:
         if not getattr(plain.runner.backend_cls, "batch_invariant", False):
             pytest.skip("this CPU's kernels are not batch-invariant (the engine logged why)")
-        can_run = native_forward_problem(plain.model, plain.runner.backend.layout.torch_dtype,
+        can_run = native_forward_problem(decoder_stack(plain.model), plain.runner.backend.layout.torch_dtype,
                                          plain.runner.backend_cls) is None
         assert (plain.runner.native_forward is not None) == (native_forward and can_run)
         expected = [generate(plain, [p], speculate=False)[0] for p in PROMPTS[:4]]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.attention_metadata import AttentionMetadata
+from common.compiled_forward import decoder_stack
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import build_layout
 from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
@@ -66,7 +67,7 @@ def _tokens(count: int, seed: int) -> list[int]:
 def test_the_native_forward_computes_what_the_torch_forward_does(model, order, kv_dtype):
     """A prefill of two sequences then a decode of each, through both forwards on their own pages:
     the same hidden states up to bfloat16 rounding (the native one keeps float32 activations)."""
-    native, torch_pool, native_pool = NativeForward(model), Pool(model, kv_dtype, order), Pool(model, kv_dtype, order)
+    native, torch_pool, native_pool = NativeForward(decoder_stack(model)), Pool(model, kv_dtype, order), Pool(model, kv_dtype, order)
     tables = [[3, 7, 9], [12, 4]]
     a, b = _tokens(30, 1), _tokens(20, 2)
     steps = [(a + b, [30, 20], [30, 20]), (_tokens(2, 3), [1, 1], [31, 21])]
@@ -82,7 +83,7 @@ def test_the_native_forward_computes_what_the_torch_forward_does(model, order, k
 
 @pytest.fixture
 def rows_four_ways(model):
-    native = NativeForward(model)
+    native = NativeForward(decoder_stack(model))
     tokens, other = _tokens(49, 5), _tokens(25, 6)
     table, other_table = [1, 2, 3, 4], [5, 6]
     capture = (0, model.num_layers - 1)
@@ -121,14 +122,14 @@ def test_a_row_has_the_same_bits_in_a_decode_a_verify_a_batch_and_a_prefill(rows
 
 
 def test_the_last_capture_is_after_the_final_norm(model):
-    native, pool = NativeForward(model), Pool(model)
+    native, pool = NativeForward(decoder_stack(model)), Pool(model)
     hidden, captured = pool.step(native, _tokens(12, 7), [12], [12], [[1]], capture=(0, model.num_layers - 1))
     assert torch.equal(captured[model.num_layers - 1], hidden)
     assert not torch.equal(captured[0], hidden)
 
 
 def test_crafted_slots_and_page_ids_are_refused_and_nothing_is_written(model):
-    native, pool = NativeForward(model), Pool(model, num_pages=8)
+    native, pool = NativeForward(decoder_stack(model)), Pool(model, num_pages=8)
     before = [cache.clone() for cache in pool.caches]
     meta = AttentionMetadata.build(query_lens=[4], seq_lens=[20], page_tables=[[3, 5]], page_size=PAGE_SIZE,
                                    device=torch.device("cpu"))
@@ -148,9 +149,9 @@ def test_crafted_slots_and_page_ids_are_refused_and_nothing_is_written(model):
 
 
 def test_where_the_native_forward_cannot_run_it_says_why(model, tmp_path):
-    assert native_forward_problem(model, torch.bfloat16, BatchInvariantNativeBackend) is None
-    assert "float8" in native_forward_problem(model, torch.float8_e4m3fn, BatchInvariantNativeBackend)
-    assert "batch-invariant native" in native_forward_problem(model, torch.bfloat16, NativeCpuAttentionBackend)
+    assert native_forward_problem(decoder_stack(model), torch.bfloat16, BatchInvariantNativeBackend) is None
+    assert "float8" in native_forward_problem(decoder_stack(model), torch.float8_e4m3fn, BatchInvariantNativeBackend)
+    assert "batch-invariant native" in native_forward_problem(decoder_stack(model), torch.bfloat16, NativeCpuAttentionBackend)
     float32 = Qwen3ForCausalLM.from_pretrained(make_qwen3(tmp_path / "f"), torch.float32, "cpu")
     pack_cpu_linears(float32, log)
-    assert "AMX tiles" in native_forward_problem(float32, torch.float32, BatchInvariantNativeBackend)
+    assert "AMX tiles" in native_forward_problem(decoder_stack(float32), torch.float32, BatchInvariantNativeBackend)

@@ -51,6 +51,10 @@ class DFlashDrafter(FeatureDrafter):
         self.embed_fingerprint = heads.fingerprint()
         if compile:
             model.use_compiled(self.compile_config(), heads.model.embed_tokens.weight)
+        elif model.dtype == torch.bfloat16 and (problem := model.use_native(heads.model.embed_tokens.weight)):
+            log.info("DFlash block: torch forward (the native one cannot run: %s)", problem)
+        elif model.native_block is not None:
+            log.info("DFlash block: one native call per Propose (products on AMX tiles)")
 
     def compile_config(self) -> CompileConfig:
         """Buckets for DFlash's steps, in rows: 1, 2, 4 and 8 blocks of K+1 (a step's blocks, and
