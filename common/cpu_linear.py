@@ -130,11 +130,18 @@ def _agrees_with_f_linear(packed: nn.Module) -> bool:
     return bool(((got - expected).abs().max() / scale) < PROBE_TOLERANCE[packed.weight.dtype])
 
 
-def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None = None) -> int:
+def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None = None,
+                     whole_forward_on_tiles: bool = False) -> int:
     """Swap every CPU `nn.Linear` (StackedLinear included) of a packable dtype for a `PackedLinear`,
     or for an `AmxLinear` where that measures faster (bfloat16 on a CPU with AMX); how many were.
     (Layers elsewhere, on "meta" for instance, or of another dtype, are left as they are.)
-    `timer` replaces the clock in the kernel choices (tests)."""
+    `timer` replaces the clock in the kernel choices (tests).
+
+    `whole_forward_on_tiles`: the caller will run the model's forward in one native call, which
+    needs every product on tiles (common/native_forward.py): then a shape that fits takes the AMX
+    kernel without a product-by-product race, which times a call with the Python around it, not
+    the forward's cost, and on a busy machine once handed a layer to oneDNN and with it the
+    whole step back to torch (4x slower)."""
     dtypes = packable_dtypes()
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes]
@@ -149,7 +156,7 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None 
         log.warning("CPU linears: oneDNN's packed product disagreed with F.linear on a probe (%s); "
                     "using torch's default", ", ".join(sorted(map(str, refused))))
         linears = [item for item in linears if item[2].weight.dtype not in refused]
-    tile_choices = choose_tile_kernels([child for _, _, child in linears], log, timer)
+    tile_choices = choose_tile_kernels([child for _, _, child in linears], log, timer, whole_forward_on_tiles)
     packed, tiled = [], 0
     for parent, name, child in linears:
         choice = tile_choices.get(shape_key(child))
@@ -189,9 +196,12 @@ class TileChoice:
     out_features: int
     amx_us: dict[int, float] = field(default_factory=dict)
     packed_us: dict[int, float] = field(default_factory=dict)
+    chosen: str | None = None  # set without timing (`choose_tile_kernels(untimed=True)`)
 
     @property
     def kernel(self) -> str:
+        if self.chosen is not None:
+            return self.chosen
         return "amx" if sum(self.amx_us.values()) < sum(self.packed_us.values()) else "packed"
 
     def describe(self) -> str:
@@ -202,10 +212,11 @@ class TileChoice:
                 f"{self.kernel}")
 
 
-def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger,
-                        timer: Timer | None = None) -> dict[tuple, TileChoice]:
+def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger, timer: Timer | None = None,
+                        untimed: bool = False) -> dict[tuple, TileChoice]:
     """For each bfloat16 shape that fits AMX tiles, where the kernel runs here and agrees with
-    `F.linear` on a probe: the AMX product timed against oneDNN's packed one (`TileChoice`)."""
+    `F.linear` on a probe: the AMX product timed against oneDNN's packed one (`TileChoice`), or,
+    `untimed`, the AMX product."""
     shapes = {shape_key(layer): layer for layer in linears if fits_tiles(layer)}
     if not shapes:
         return {}
@@ -219,9 +230,15 @@ def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger,
             log.warning("CPU linears: the AMX %d->%d product disagreed with F.linear on a probe; using oneDNN's",
                         layer.in_features, layer.out_features)
             continue
+        if untimed:
+            choices[key] = TileChoice(layer.in_features, layer.out_features, chosen="amx")
+            continue
         choices[key] = (_measured_tiles(*key, torch.get_num_threads()) if timer is None
                         else measure_tiles(layer, timer))
-    if choices:
+    if untimed and choices:
+        log.info("CPU linears: every bfloat16 product that fits on AMX tiles (%d shapes): the forward runs in one "
+                 "native call", len(choices))
+    elif choices:
         log.info("CPU linears, bfloat16 kernel measured per shape (%d threads):\n  %s", torch.get_num_threads(),
                  "\n  ".join(choice.describe() for choice in choices.values()))
     return choices

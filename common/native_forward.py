@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +61,24 @@ class DecoderArgs(ctypes.Structure):
 _FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _INT]
 
 
+_CONTEXT_ARGS = [_P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P, _INT]
+
+
+@dataclass(frozen=True)
+class _Entries:
+    forward: ctypes._CFuncPtr
+    context_kv: ctypes._CFuncPtr
+
+
 @functools.cache
-def _load_forward() -> ctypes._CFuncPtr:
+def _load_forward() -> _Entries:
     reason = amx_unavailable_reason()  # requests the tile state too
     if reason is not None:
         raise NativeKernelUnavailable(reason)
     lib = load_library("decoder_forward")
     lib.splitspec_decoder_forward.argtypes, lib.splitspec_decoder_forward.restype = _FORWARD_ARGS, _INT
-    return lib.splitspec_decoder_forward
+    lib.splitspec_context_kv.argtypes, lib.splitspec_context_kv.restype = _CONTEXT_ARGS, _INT
+    return _Entries(lib.splitspec_decoder_forward, lib.splitspec_context_kv)
 
 
 def native_forward_problem(stack: DecoderStack, kv_dtype: torch.dtype, backend_cls: type,
@@ -105,7 +116,7 @@ class NativeForward:
 
     def __init__(self, stack: DecoderStack) -> None:
         self.stack = stack
-        self._call = _load_forward()
+        self._entries = _load_forward()
         args = stack.args
         self._float32: list[torch.Tensor] = []  # float32 copies of the norm weights, kept alive
         self._layers = (LayerArgs * args.num_layers)()
@@ -132,8 +143,40 @@ class NativeForward:
     def runs(self, backend, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> bool:
         """Whether this planned step can run here: on the native backend, which planned its rows
         (the plain one leaves a long prefill to SDPA), over float32 or bfloat16 pages."""
-        return (isinstance(backend, NativeCpuAttentionBackend) and backend._rows is not None
-                and kv_caches[0].dtype in PAGE_KINDS)
+        return self.writes(backend, kv_caches) and backend._rows is not None
+
+    def writes(self, backend, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> bool:
+        """Whether `context_kv` can write these pages (the native backend's geometry, float32 or bfloat16)."""
+        return isinstance(backend, NativeCpuAttentionBackend) and kv_caches[0].dtype in PAGE_KINDS
+
+    def context_kv(self, features: torch.Tensor, fc: AmxLinear, hidden_norm: torch.Tensor, positions: torch.Tensor,
+                   slot_mapping: torch.Tensor, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+                   backend: NativeCpuAttentionBackend) -> None:
+        """DFlash's context rows in one call: features [Tc, F] → rms_norm(fc(features)) · hidden_norm →
+        every layer's K/V, written at `slot_mapping` [Tc]."""
+        rows = features.shape[0]
+        if features.shape != (rows, fc.in_features) or fc.out_features != self._decoder.hidden:
+            raise ValueError(f"context rows {tuple(features.shape)} for an fc of {fc.in_features}->{fc.out_features}")
+        if positions.shape != (rows,) or slot_mapping.shape != (rows,):
+            raise ValueError(f"{rows} context rows with {positions.shape[0]} positions and {slot_mapping.shape[0]} slots")
+        if rows == 0:
+            return
+        self._point_at_pool(kv_caches, backend)
+        features = features.to(torch.bfloat16).contiguous()
+        cos, sin = (t.contiguous() for t in self.stack.rotary(positions, torch.float32))  # [Tc, D] each
+        norm = self._norm_copy(hidden_norm)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        status = self._entries.context_kv(ctypes.byref(self._decoder), self._layers, features.data_ptr(),
+                                          fc.in_features, fc._packed_address, norm.data_ptr(), rows, cos.data_ptr(),
+                                          sin.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"native context K/V: {STATUS.get(status, f'status {status}')}")
+
+    def _norm_copy(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of a norm weight outside the stack (DFlash's hidden norm), made once."""
+        if getattr(self, "_extra_norm", None) is None or self._extra_norm[0] is not weight:
+            self._extra_norm = (weight, weight.detach().float().contiguous())
+        return self._extra_norm[1]
 
     def _point_at_pool(self, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
                        backend: NativeCpuAttentionBackend) -> None:
@@ -184,7 +227,7 @@ class NativeForward:
         captured = {i: torch.empty_like(x) for i in wanted}
         for i in range(count):
             self._layers[i].capture = captured[i].data_ptr() if i in captured else None
-        status = self._call(ctypes.byref(self._decoder), self._layers, x.data_ptr(), out.data_ptr(), tokens,
+        status = self._entries.forward(ctypes.byref(self._decoder), self._layers, x.data_ptr(), out.data_ptr(), tokens,
                             cos.data_ptr(), sin.data_ptr(), rows.page_table.data_ptr(),
                             rows.page_table.shape[1], rows.page_table.shape[0], rows.row_start.data_ptr(),
                             rows.row_keys.data_ptr(), rows.slot_mapping.data_ptr(), rows.threads)

@@ -358,9 +358,12 @@ class DFlashDraftModel(FeatureHead):
         rows are still written by torch, before the block."""
         from common.native_attention import NativeCpuAttentionBackend
         from common.native_forward import NativeForward, native_forward_problem
+        from common.native_linear import AmxLinear
 
         stack = self.decoder_stack(embed)
         problem = native_forward_problem(stack, torch.bfloat16, NativeCpuAttentionBackend, batch_invariant=False)
+        if problem is None and not isinstance(self.fc, AmxLinear):
+            problem = "its fc does not run on AMX tiles"
         if problem is None:
             self.native_block = NativeForward(stack)
         return problem
@@ -417,10 +420,16 @@ class DFlashDraftModel(FeatureHead):
         if self.compiled_context is not None:
             self._write_new_context(NewContext(features, positions, meta.slot_mapping), kv_caches, backend.layout)
             return
-        self._write_context_rows(NewContext(features, positions, meta.slot_mapping), kv_caches, backend.layout)
+        self._write_context_rows(NewContext(features, positions, meta.slot_mapping), kv_caches, backend.layout, backend)
 
-    def _write_context_rows(self, new_context: NewContext, kv_caches, layout: KVLayout) -> None:
-        """`write_context`'s eager path for rows held back until this block."""
+    def _write_context_rows(self, new_context: NewContext, kv_caches, layout: KVLayout, backend=None) -> None:
+        """New context rows' K/V into every draft layer's pages: in one native call where the block
+        runs natively (and `backend` lends the pages' geometry), else eagerly."""
+        native = self.native_block
+        if native is not None and backend is not None and native.writes(backend, kv_caches):
+            native.context_kv(new_context.features, self.fc, self.hidden_norm.weight, new_context.positions,
+                              new_context.slot_mapping, kv_caches, backend)
+            return
         context = self.project_context(new_context.features)  # [Tc, hidden]
         cos, sin = self.rotary(new_context.positions, context.dtype)  # [Tc, D] each
         for i, layer in enumerate(self.layers):
@@ -468,7 +477,7 @@ class DFlashDraftModel(FeatureHead):
             hidden, _ = self.compiled_block(ids, positions, meta, kv_caches, backend)  # [T, hidden], normed
         elif self.native_block is not None and self.native_block.runs(backend, kv_caches):
             if new_context is not None:
-                self._write_context_rows(new_context, kv_caches, layout)
+                self._write_context_rows(new_context, kv_caches, layout, backend)
             hidden, _ = self.native_block(ids, positions, meta, kv_caches, backend)  # [T, hidden] float32, normed
             hidden = hidden.to(self.dtype)
         elif new_context is None:

@@ -55,7 +55,8 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     tokenizer_path = resolve_model_path(config.tokenizer, config.hf_cache_dir) if config.tokenizer else model_path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     model = Qwen3ForCausalLM.from_pretrained(model_path, dtype=dtype, device=device)
-    pack_cpu_linears(model, log)
+    # the native forward needs every product on tiles (the step is one call; see pack_cpu_linears)
+    pack_cpu_linears(model, log, whole_forward_on_tiles=config.native_forward and dtype == torch.bfloat16)
     batch_invariant = _batch_invariant(model, dtype, device)
     compile_config = config.compile
     if batch_invariant and compile_config.enabled:

@@ -155,3 +155,40 @@ def test_where_the_native_forward_cannot_run_it_says_why(model, tmp_path):
     float32 = Qwen3ForCausalLM.from_pretrained(make_qwen3(tmp_path / "f"), torch.float32, "cpu")
     pack_cpu_linears(float32, log)
     assert "AMX tiles" in native_forward_problem(decoder_stack(float32), torch.float32, BatchInvariantNativeBackend)
+
+
+def test_dflash_context_and_block_in_native_calls_compute_what_torch_does(spec_models):
+    """DFlash's `Propose` with held context rows: the rows' K/V (`NativeForward.context_kv`) and the
+    block through the draft layers, natively and eagerly on pools of their own: the same pages and
+    logits up to bfloat16 rounding."""
+    from draft_service.dflash_model import DFlashDraftModel, NewContext, TargetHeads
+    from draft_service.target_heads import load_target_heads
+
+    heads = load_target_heads(str(spec_models.target), torch.bfloat16, "cpu")
+    pack_cpu_linears(heads, log)
+    model = DFlashDraftModel.from_pretrained(spec_models.dflash, TargetHeads(embed=heads.embed, lm_head=heads.lm_head),
+                                             torch.bfloat16, "cpu")
+    pack_cpu_linears(model, log, whole_forward_on_tiles=True)
+    assert model.use_native(heads.model.embed_tokens.weight) is None
+    layout = build_layout(order="HND", page_size=PAGE_SIZE, kv_dtype="bfloat16", num_pages=8,
+                          layers=model.kv_layer_specs())
+    features = torch.randn(20, model.feature_width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    slots = torch.tensor([PAGE_SIZE + i for i in range(16)] + [2 * PAGE_SIZE + i for i in range(4)])
+
+    def propose(native: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = [torch.zeros(layout.region_shape(spec), dtype=layout.torch_dtype) for spec in layout.layers]
+        native_block, model.native_block = model.native_block, model.native_block if native else None
+        try:
+            proposal = model.propose(torch.tensor([5]), [20], [[1, 2]], caches, NativeCpuAttentionBackend(layout),
+                                     num_tokens=4, new_context=NewContext(features, torch.arange(20), slots))
+        finally:
+            model.native_block = native_block
+        return proposal.logits, caches
+
+    (eager_logits, eager_pages), (native_logits, native_pages) = propose(False), propose(True)
+    assert not torch.equal(native_logits, eager_logits)  # two paths ran (float32 activations natively)
+    for eager, native in zip(eager_pages, native_pages, strict=True):
+        scale = eager.float().abs().max()
+        assert scale > 0 and ((native.float() - eager.float()).abs().max() / scale) < 0.05
+    scale = eager_logits.abs().max()
+    assert ((native_logits - eager_logits).abs().max() / scale) < 0.05

@@ -147,3 +147,18 @@ def test_without_a_compiler_bfloat16_stays_with_onednn_and_says_why(tmp_path, mo
         assert reason is not None and ("no C compiler" in reason or "no AMX-BF16" in reason)
     finally:
         _load_amx.cache_clear()
+
+
+@needs_amx
+def test_a_forward_run_in_one_call_puts_every_fitting_product_on_tiles_untimed(caplog):
+    """The native forward needs every product on tiles: no product-by-product race (which a busy
+    machine once lost for one layer, and with it the whole step's native call)."""
+    model = nn.Sequential(_layer(96, 160), _layer(40, 48))
+
+    def onednn_faster(kernel: str, rows: int, call) -> float:
+        pytest.fail("timed a product the forward needs on tiles")
+
+    with caplog.at_level(logging.INFO):
+        pack_cpu_linears(model, log, timer=onednn_faster, whole_forward_on_tiles=True)
+    assert type(model[0]) is AmxLinear and type(model[1]) is PackedLinear  # 40 inputs fit no tile
+    assert "the forward runs in one native call" in caplog.text

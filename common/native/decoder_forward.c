@@ -212,3 +212,37 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     free(delta);
     return status;
 }
+
+// DFlash's context rows: features [T, F] bfloat16 (the target's hidden states, side by side) →
+// rms_norm(features · fcᵀ) · hidden_norm, then every layer's K (k norm, RoPE) and V from that,
+// written at slots[t]. (The q part of each stacked product is computed and dropped: on tiles
+// it costs next to nothing.)
+int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uint16_t *features, int64_t width,
+                         const uint16_t *fc, const float *hidden_norm, int64_t rows, const float *cos,
+                         const float *sin, const int64_t *slots, int threads) {
+    if (!HAVE_AMX) return FWD_NO_AMX;
+    if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16))
+        return FWD_BAD_SHAPE;
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
+    threads = threads > 0 ? threads : 1;
+    const int64_t hidden = d->hidden, q_width = d->q_heads * d->head_dim;
+    const int64_t qkv_width = (d->q_heads + 2 * d->kv_heads) * d->head_dim;
+    float *projected = malloc(sizeof(float) * (size_t)(rows * hidden));
+    uint16_t *context = malloc(sizeof(uint16_t) * (size_t)(rows * hidden));
+    float *product_out = malloc(sizeof(float) * (size_t)(rows * qkv_width));
+    float *queries = malloc(sizeof(float) * (size_t)(rows * q_width));
+    int status = FWD_OK;
+    if (!projected || !context || !product_out || !queries) status = FWD_NO_MEMORY;
+    if (status == FWD_OK) PRODUCT(features, rows, width, fc, hidden, projected, 1, threads);
+    if (status == FWD_OK) norm_rows_to_bf16(projected, hidden_norm, context, rows, hidden, d->eps, threads);
+    for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
+        PRODUCT(context, rows, hidden, layers[i].qkv, qkv_width, product_out, 1, threads);
+        if (status == FWD_OK) queries_and_kv(d, layers + i, product_out, queries, cos, sin, slots, rows, threads);
+    }
+    free(projected);
+    free(context);
+    free(product_out);
+    free(queries);
+    return status;
+}

@@ -70,7 +70,7 @@ class DFlashDrafter(FeatureDrafter):
         pack_cpu_linears(heads, log)  # before TargetHeads takes its lm_head
         target = TargetHeads(embed=heads.embed, lm_head=heads.lm_head)
         model = DFlashDraftModel.from_pretrained(path, target, dtype, device)
-        pack_cpu_linears(model, log)
+        pack_cpu_linears(model, log, whole_forward_on_tiles=dtype == torch.bfloat16 and not compile)  # use_native
         limit = model.num_speculative_tokens
         if k is not None and k > limit:
             log.warning("--num-speculative-tokens %d exceeds DFlash block_size - 1; using %d", k, limit)
