@@ -339,7 +339,8 @@ class Qwen3ForCausalLM(nn.Module):
         return hidden, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N, vocab] float32
-        return self.lm_head(hidden).float()
+        # the native forward hands over float32 hidden states whatever the model's dtype
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
 
     # -- facts for the layout and the handshake -------------------------------------------
 
