@@ -152,9 +152,10 @@ class LlamaCpp:
 
 
 def splitspec_row(models: Path, prompts: list[list[int]], new_tokens: int, concurrency: int, repeat: int,
-                  shm_dir: str, compile_steps: bool, dtype: str | None = None) -> tuple[str, float, dict[int, list[int]]]:
-    """(how it computes, tokens/s, outputs) of splitspec target-only with its defaults (bench/compare.py's
-    row 4), or in `dtype`."""
+                  shm_dir: str, compile_steps: bool,
+                  dtype: str | None = None) -> tuple[str, str, float, dict[int, list[int]]]:
+    """(its dtype, how it computes, tokens/s, outputs) of splitspec target-only with its defaults
+    (bench/compare.py's row 4), or in `dtype`."""
     config = engine_config(models, shm_dir, k=8, compile_steps=compile_steps)
     core = build_engine_core(config if dtype is None else dataclasses.replace(config, dtype=dtype))
     try:
@@ -166,7 +167,7 @@ def splitspec_row(models: Path, prompts: list[list[int]], new_tokens: int, concu
             outputs = {}
             tokens, seconds, *_ = run_engine(core, prompts, new_tokens, concurrency, speculate=False, outputs=outputs)
             rates.append(tokens / seconds)
-        return described, statistics.median(rates), outputs
+        return core.model_info.dtype, described, statistics.median(rates), outputs
     finally:
         core.close()
 
@@ -203,14 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         ggufs = {t: convert(args.models / "target", args.llama_cpp, t, Path(tmp))
                  for t in args.types.split(",")}
         for concurrency in levels:
-            described, ours, default_outputs = splitspec_row(args.models, prompts, args.new_tokens, concurrency,
-                                                             args.repeat, tmp, False)
+            default_dtype, described, ours, default_outputs = splitspec_row(
+                args.models, prompts, args.new_tokens, concurrency, args.repeat, tmp, False)
             rows.append((f"splitspec target only (defaults: {described})", concurrency, ours))
-            default_dtype = described.split(",")[0]
-            float32_outputs = default_outputs
+            outputs_by_dtype = {default_dtype: default_outputs}
             if default_dtype != "float32" or args.compile:
-                described, rate, float32_outputs = splitspec_row(args.models, prompts, args.new_tokens, concurrency,
-                                                                 args.repeat, tmp, args.compile, "float32")
+                _, described, rate, outputs_by_dtype["float32"] = splitspec_row(
+                    args.models, prompts, args.new_tokens, concurrency, args.repeat, tmp, args.compile, "float32")
                 rows.append((f"splitspec target only ({described})", concurrency, rate))
             for outtype, gguf in ggufs.items():
                 engine = LlamaCpp(lib, gguf, threads, concurrency, context)
@@ -221,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                     engine.close()
                 rate = statistics.median(sum(map(len, out.values())) / seconds for out, seconds in runs)
                 rows.append((f"llama.cpp {outtype.upper()}", concurrency, rate))
-                ours_in = {"f32": ("float32", float32_outputs), "bf16": ("bfloat16", default_outputs)}[outtype]
-                if outtype == "f32" or default_dtype == "bfloat16":
-                    same = sum(runs[0][0][i] == ours_in[1][i] for i in ours_in[1])
-                    notes.append(f"concurrency {concurrency}: llama.cpp {outtype.upper()} and splitspec {ours_in[0]} "
-                                 f"greedy outputs identical for {same}/{len(ours_in[1])} prompts")
+                ours_dtype = {"f32": "float32", "bf16": "bfloat16"}.get(outtype)
+                if ours_dtype in outputs_by_dtype:  # the same dtype on both sides: compared token for token
+                    splitspec_outputs = outputs_by_dtype[ours_dtype]
+                    same = sum(runs[0][0][i] == splitspec_outputs[i] for i in splitspec_outputs)
+                    notes.append(f"concurrency {concurrency}: llama.cpp {outtype.upper()} and splitspec {ours_dtype} "
+                                 f"greedy outputs identical for {same}/{len(splitspec_outputs)} prompts")
     print(f"Measured on {read_cpu_info().describe()}, torch {torch.__version__}, {threads} threads for both "
           f"engines; demo target, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy; "
           f"median of {args.repeat} runs.\n")

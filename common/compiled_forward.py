@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from common.attention_backends import AttentionBackend
 from common.attention_metadata import AttentionMetadata
-from common.qwen3 import rope_tables
+from common.qwen3 import checked_capture_layers, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -340,9 +340,7 @@ class CompiledForward(BucketCompiler):
         if tokens != meta.num_tokens or positions.shape[0] != tokens:
             raise ValueError(f"forward: {tokens} ids and {positions.shape[0]} positions for {meta.num_tokens} tokens "
                              "in the attention metadata")
-        wanted = set(capture_layers)
-        if any(not 0 <= i < len(self._layers) for i in wanted):
-            raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{len(self._layers) - 1}")
+        wanted = checked_capture_layers(capture_layers, len(self._layers))
         if bucket != tokens:  # pad rows: token 0 at position 0, cut off before anything reads them
             input_ids = F.pad(input_ids, (0, bucket - tokens))
             positions = F.pad(positions, (0, bucket - tokens))

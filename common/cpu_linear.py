@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.native_linear import AmxLinear, amx_unavailable_reason, fits_tiles
+from common.native_linear import AmxLinear, amx_unavailable_reason, fits_tiles, shape_fits_tiles
 
 MIN_PACKED_ROWS = 2  # float32: a single row runs faster through the plain sgemm (measured on the demo shapes)
 MIN_PACKED_ROWS_BF16 = 1  # bfloat16: the packed product is faster from one row (torch's own is slower than float32)
@@ -431,21 +431,19 @@ def _build_every_shape(packed: list[PackedLinear]) -> None:
                 layer._packed_product(torch.zeros(rows, layer.in_features, dtype=layer.weight.dtype))
 
 
-
 def cpu_target_dtype(shapes: list[tuple[int, int, int, bool]], log: logging.Logger) -> torch.dtype:
     """`--dtype auto` for a target on a CPU: bfloat16 where every product of its forward
     (`shapes`: in, out, count per token, bias) runs on AMX tiles, float32 anywhere else.
 
     On AMX tiles a row's bits do not depend on the row count (`common/native_linear.py`), so
     speculative output stays bit for bit the bfloat16 target-only output, and a product of
-    1-16 rows costs about what one row does: on an Intel Xeon with AMX the demo target decoded
-    1.25x faster than in float32 and its K=8 verify cost 1.1 decodes instead of 2.2
-    (`bench/target_dtype.py`, docs/performance.md). A rule, not a timing at each start: the tile
+    1-16 rows costs about what one row does: on an Intel Xeon with AMX the demo target, its
+    step in one native call, decoded 3.9x faster than in float32 (`bench/target_dtype.py`,
+    docs/performance.md#the-targets-dtype-on-a-cpu). A rule, not a timing at each start: the tile
     multiply's advantage is the hardware's, and a dtype that flipped with a noisy measurement
     would change a deployment's outputs from one start to the next."""
     reason = amx_unavailable_reason()
-    if reason is None and not all(fits_tiles(nn.Linear(i, o, bias=b, dtype=torch.bfloat16, device="meta"))
-                                  for i, o, _, b in shapes):
+    if reason is None and not all(shape_fits_tiles(i, o) for i, o, _, _ in shapes):
         reason = "a product of this model does not fit whole AMX tiles"
     dtype = torch.float32 if reason is not None else torch.bfloat16
     log.info("target dtype auto on this CPU: %s (%s; --dtype float32 or bfloat16 to choose)",

@@ -36,6 +36,7 @@ from common.native_attention import STATUS as ATTENTION_STATUS
 from common.native_build import NativeKernelUnavailable, load_library
 from common.native_linear import STATUS as AMX_STATUS
 from common.native_linear import AmxLinear, amx_unavailable_reason
+from common.qwen3 import checked_capture_layers
 
 PAGE_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16}
 AMX_OFFSET = 20  # decoder_forward.c: an AMX product's status, offset
@@ -134,6 +135,7 @@ class NativeForward:
                                     layers=args.num_layers, eps=args.rms_norm_eps, scale=args.head_dim**-0.5,
                                     final_norm=self._keep(stack.final_norm))
         self._pool_key: tuple | None = None
+        self._context_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, float32 copy): _norm_copy
 
     def _keep(self, weight: torch.Tensor) -> int:
         copy = weight.detach().float().contiguous()
@@ -174,9 +176,9 @@ class NativeForward:
 
     def _norm_copy(self, weight: torch.Tensor) -> torch.Tensor:
         """A float32 copy of a norm weight outside the stack (DFlash's hidden norm), made once."""
-        if getattr(self, "_extra_norm", None) is None or self._extra_norm[0] is not weight:
-            self._extra_norm = (weight, weight.detach().float().contiguous())
-        return self._extra_norm[1]
+        if self._context_norm is None or self._context_norm[0] is not weight:
+            self._context_norm = (weight, weight.detach().float().contiguous())
+        return self._context_norm[1]
 
     def _point_at_pool(self, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
                        backend: NativeCpuAttentionBackend) -> None:
@@ -215,9 +217,7 @@ class NativeForward:
             raise RuntimeError(f"native forward: {tokens} ids and {positions.shape[0]} positions for a step planned "
                                f"for {None if rows is None else rows.row_keys.shape[0]} rows (was plan(meta) called?)")
         count = len(self._layers)
-        wanted = set(capture_layers)
-        if any(not 0 <= i < count for i in wanted):
-            raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{count - 1}")
+        wanted = checked_capture_layers(capture_layers, count)
         self._point_at_pool(kv_caches, backend)
         x = F.embedding(input_ids, self.stack.embed).float()  # [T, hidden]
         if self.stack.embed_scale != 1.0:

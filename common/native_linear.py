@@ -71,9 +71,12 @@ def amx_unavailable_reason() -> str | None:
     return None
 
 
+def shape_fits_tiles(in_features: int, out_features: int) -> bool:
+    return in_features % TILE_K == 0 and out_features % TILE_N == 0
+
+
 def fits_tiles(linear: nn.Linear) -> bool:
-    return (linear.weight.dtype == torch.bfloat16 and linear.in_features % TILE_K == 0
-            and linear.out_features % TILE_N == 0)
+    return linear.weight.dtype == torch.bfloat16 and shape_fits_tiles(linear.in_features, linear.out_features)
 
 
 def pack_for_tiles(weight: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,14 @@ class ModelArgs:
                 (self.hidden_size, self.vocab_size, 1, False)]
 
 
+def checked_capture_layers(capture_layers: Sequence[int], num_layers: int) -> set[int]:
+    """The layers a forward is asked to capture, each checked to be one of its `num_layers`."""
+    wanted = set(capture_layers)
+    if any(not 0 <= i < num_layers for i in wanted):
+        raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{num_layers - 1}")
+    return wanted
+
+
 # ---------------------------------------------------------------------------------------
 # Rotary position embedding (neox style: rotate_half over the whole head).
 
@@ -323,9 +331,7 @@ class Qwen3ForCausalLM(nn.Module):
                 f"forward: {input_ids.shape[0]} ids and {positions.shape[0]} positions "
                 f"for {meta.num_tokens} tokens in the attention metadata"
             )
-        wanted = set(capture_layers)
-        if any(not 0 <= i < self.num_layers for i in wanted):
-            raise ValueError(f"capture_layers {sorted(wanted)} outside 0..{self.num_layers - 1}")
+        wanted = checked_capture_layers(capture_layers, self.num_layers)
         hidden = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, hidden.dtype)  # [T, D] each
         captured: dict[int, torch.Tensor] = {}

@@ -353,9 +353,9 @@ class DFlashDraftModel(FeatureHead):
 
     def use_native(self, embed: torch.Tensor) -> str | None:
         """Run the block through the draft layers in one native call (common/native_forward.py)
-        where its products run on AMX tiles; why not, or None. A step runs it where the pool's
-        pages and the attention backend allow (`NativeForward.runs`), else eagerly. New context
-        rows are still written by torch, before the block."""
+        where its products run on AMX tiles, and new context rows' K/V in another
+        (`NativeForward.context_kv`); why not, or None. A step runs them where the pool's pages
+        and the attention backend allow (`NativeForward.runs` / `writes`), else eagerly."""
         from common.native_attention import NativeCpuAttentionBackend
         from common.native_forward import NativeForward, native_forward_problem
         from common.native_linear import AmxLinear

@@ -77,11 +77,9 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     if device.type == "cpu":
         remove_stale_shm_files(config.cache.shm_dir)
     pool = PagePool.create(layout, device, config.cache.shm_dir)
-    native = _native_forward(config, model, layout, backend_cls)
-    if native and compile_config.enabled:
-        log.info("--compile is off: every step runs the native forward")
-        compile_config = dataclasses.replace(compile_config, enabled=False)
-    runner = ModelRunner(model, backend_cls, pool, device, compile_config, native_forward=native)
+    # compile_config is off already where the native forward runs: it needs a batch-invariant target
+    runner = ModelRunner(model, backend_cls, pool, device, compile_config,
+                         native_forward=_native_forward(config, model, layout, backend_cls))
     info = ModelInfo(
         model_id=config.model,
         architecture=(hf_config.architectures or ["unknown"])[0],

@@ -57,12 +57,13 @@ class ModelRunner:
         """`native_forward`: every step through `common.native_forward.NativeForward` (the caller
         checked `native_forward_problem`), else the compiled or eager forward."""
         self.model = model
-        self.forward = CompiledForward(decoder_stack(model), compile_config)  # the model's own forward where not compiled
+        stack = decoder_stack(model)
+        self.forward = CompiledForward(stack, compile_config)  # the model's own forward where not compiled
         self.native_forward = None
         if native_forward:
             from common.native_forward import NativeForward
 
-            self.native_forward = NativeForward(decoder_stack(model))
+            self.native_forward = NativeForward(stack)
         self.device = device
         self.backend_cls = backend_cls
         self.install_pool(pool)

@@ -156,14 +156,9 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
         if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
     // every page the attention will read, checked before the first write: a refused step changes nothing
     const Pool pool = {NULL, 0, 0, 0, 0, d->num_pages, d->page_size};
-    if (num_seqs < 0 || row_start[0] != 0 || row_start[num_seqs] != rows) return BAD_LENGTH;
-    for (int64_t b = 0; b < num_seqs; b++) {
-        const int32_t count = row_start[b + 1] - row_start[b];
-        if (count < 0) return BAD_LENGTH;
-        const int32_t longest = checked_longest(&pool, row_keys + row_start[b], count, page_table + b * table_len,
-                                                table_len);
-        if (longest < 0) return -longest;
-    }
+    const int32_t most = checked_sequences(&pool, page_table, table_len, num_seqs, row_start, row_keys, rows);
+    if (most < 0) return -most;
+    if (row_start[num_seqs] != rows) return BAD_LENGTH;  // every row belongs to a sequence here
     threads = threads > 0 ? threads : 1;
     const int64_t hidden = d->hidden, inter = d->intermediate, dim = d->head_dim;
     const int64_t q_width = d->q_heads * dim, qkv_width = (d->q_heads + 2 * d->kv_heads) * dim;

@@ -165,6 +165,24 @@ static int32_t checked_longest(const Pool *pool, const int32_t *keys, int32_t ro
     return longest;
 }
 
+/* Every sequence's row range, key counts and the page ids they need (sequence b owns rows
+ * row_start[b] .. row_start[b + 1] - 1 of total_rows); the most keys any row sees, at least 1;
+ * negative: the error. */
+static int32_t checked_sequences(const Pool *pool, const int32_t *page_table, int64_t table_len, int64_t num_seqs,
+                                 const int32_t *row_start, const int32_t *row_keys, int64_t total_rows) {
+    if (num_seqs < 0 || row_start[0] != 0 || row_start[num_seqs] > total_rows) return -BAD_LENGTH;
+    int32_t most = 1;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int32_t rows = row_start[b + 1] - row_start[b];
+        if (rows < 0) return -BAD_LENGTH;
+        const int32_t longest = checked_longest(pool, row_keys + row_start[b], rows, page_table + b * table_len,
+                                                table_len);
+        if (longest < 0) return longest;
+        most = longest > most ? longest : most;
+    }
+    return most;
+}
+
 /* Attention of every query row (q, out: float32 [T, Hq, D]) over its sequence's pages. Sequence
  * b owns rows row_start[b] .. row_start[b + 1] - 1 and the pages page_table[b, :table_len]; row t
  * sees that sequence's first row_keys[t] keys. The (sequence, KV head) pairs are shared out over
@@ -176,19 +194,10 @@ int splitspec_paged_attention(const float *q, float *out, const uint8_t *base, i
                               int64_t num_seqs, const int32_t *row_start, const int32_t *row_keys,
                               int64_t total_rows, int q_heads, int kv_heads, int dim, float scale, int threads) {
     if (kind != KV_F32 && kind != KV_BF16 && kind != KV_BYTE_TABLE) return BAD_KIND;
-    if (kv_heads < 1 || q_heads % kv_heads != 0 || dim < 1 || page_size < 1 || num_seqs < 0 ||
-        row_start[0] != 0 || row_start[num_seqs] > total_rows)
-        return BAD_LENGTH;
+    if (kv_heads < 1 || q_heads % kv_heads != 0 || dim < 1 || page_size < 1) return BAD_LENGTH;
     const Pool pool = {base, page_stride, plane_stride, token_stride, head_stride, num_pages, page_size};
-    int32_t most = 1;
-    for (int64_t b = 0; b < num_seqs; b++) {
-        const int32_t rows = row_start[b + 1] - row_start[b];
-        if (rows < 0) return BAD_LENGTH;
-        const int32_t longest = checked_longest(&pool, row_keys + row_start[b], rows, page_table + b * table_len,
-                                                table_len);
-        if (longest < 0) return -longest;
-        most = longest > most ? longest : most;
-    }
+    const int32_t most = checked_sequences(&pool, page_table, table_len, num_seqs, row_start, row_keys, total_rows);
+    if (most < 0) return -most;
     int status = OK;
     const int64_t items = num_seqs * kv_heads;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (items > 1)
