@@ -56,7 +56,7 @@ class DecoderArgs(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("intermediate", _I64), ("q_heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("layers", _I64), ("eps", _F), ("scale", _F), ("final_norm", _P), ("page_stride", _I64),
                 ("plane_stride", _I64), ("token_stride", _I64), ("head_stride", _I64), ("num_pages", _I64),
-                ("page_size", _I32), ("kv_kind", _I32)]
+                ("page_size", _I32), ("kv_kind", _I32), ("capture_stride", _I64), ("capture_kind", _I32)]
 
 
 _FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _INT]
@@ -133,7 +133,8 @@ class NativeForward:
         self._decoder = DecoderArgs(hidden=args.hidden_size, intermediate=args.intermediate_size,
                                     q_heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                                     layers=args.num_layers, eps=args.rms_norm_eps, scale=args.head_dim**-0.5,
-                                    final_norm=self._keep(stack.final_norm))
+                                    final_norm=self._keep(stack.final_norm), capture_stride=args.hidden_size,
+                                    capture_kind=KV_F32)
         self._pool_key: tuple | None = None
         self._context_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, float32 copy): _norm_copy
 
@@ -210,7 +211,10 @@ class NativeForward:
         kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
         backend: NativeCpuAttentionBackend,
         capture_layers: Sequence[int] = (),
+        capture_into: torch.Tensor | None = None,  # [T, len(capture_layers) * hidden] float32 or bfloat16
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """With `capture_into` (a staging buffer's rows), the captured layers are written there side
+        by side in `capture_layers`' order, rounded to its dtype, and the returned dict is empty."""
         tokens = input_ids.shape[0]
         rows = backend._rows
         if rows is None or rows.row_keys.shape[0] != tokens or positions.shape[0] != tokens:
@@ -224,9 +228,7 @@ class NativeForward:
             x *= self.stack.embed_scale
         cos, sin = (t.contiguous() for t in self.stack.rotary(positions, torch.float32))  # [T, D] each
         out = torch.empty_like(x)  # [T, hidden]
-        captured = {i: torch.empty_like(x) for i in wanted}
-        for i in range(count):
-            self._layers[i].capture = captured[i].data_ptr() if i in captured else None
+        captured = self._point_captures(capture_layers, wanted, capture_into, x)
         status = self._entries.forward(ctypes.byref(self._decoder), self._layers, x.data_ptr(), out.data_ptr(), tokens,
                             cos.data_ptr(), sin.data_ptr(), rows.page_table.data_ptr(),
                             rows.page_table.shape[1], rows.page_table.shape[0], rows.row_start.data_ptr(),
@@ -234,3 +236,28 @@ class NativeForward:
         if status != 0:
             raise ValueError(f"native forward: {STATUS.get(status, f'status {status}')}")
         return out, captured
+
+    def _point_captures(self, capture_layers: Sequence[int], wanted: set[int] | Sequence[int],
+                        capture_into: torch.Tensor | None, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each layer's capture pointer: into `capture_into`'s columns, or fresh float32 tensors (returned)."""
+        d, hidden = self._decoder, self._decoder.hidden
+        captured: dict[int, torch.Tensor] = {}
+        targets: dict[int, int] = {}
+        if capture_into is None:
+            captured = {i: torch.empty_like(x) for i in wanted}
+            targets = {i: t.data_ptr() for i, t in captured.items()}
+            d.capture_stride, d.capture_kind = hidden, KV_F32
+        elif wanted:
+            layers = list(capture_layers)
+            if len(wanted) != len(layers):
+                raise ValueError(f"capture_into takes each layer once, got {layers}")
+            if (capture_into.dim() != 2 or capture_into.shape != (x.shape[0], len(layers) * hidden)
+                    or capture_into.stride(1) != 1 or capture_into.dtype not in PAGE_KINDS):
+                raise ValueError(f"capture rows {tuple(capture_into.shape)} {capture_into.dtype} for {x.shape[0]} "
+                                 f"rows of {len(layers)} layers of {hidden} (float32 or bfloat16, rows contiguous)")
+            size = capture_into.element_size()
+            targets = {layer: capture_into.data_ptr() + slot * hidden * size for slot, layer in enumerate(layers)}
+            d.capture_stride, d.capture_kind = capture_into.stride(0), PAGE_KINDS[capture_into.dtype]
+        for i in range(len(self._layers)):
+            self._layers[i].capture = targets.get(i)
+        return captured

@@ -115,8 +115,8 @@ class AcceptanceEstimate:
             self._trials[j] += 1.0
             self._hits[j] += 1.0 if j < num_accepted else 0.0
 
-    def age(self) -> None:
-        keep = 1.0 - 1.0 / self.window
+    def age(self, decisions: int = 1) -> None:
+        keep = (1.0 - 1.0 / self.window) ** decisions
         self._hits = [h * keep for h in self._hits]
         self._trials = [t * keep for t in self._trials]
 
@@ -305,35 +305,67 @@ class DraftPolicy:
     propose: CostTable = field(default_factory=CostTable)  # by draft positions, n·(k+1)
     catch_up_alpha: float = 0.3
     catch_up_per_row: float | None = None  # seconds, an EWMA (`catch_up_alpha`) over catching-up Proposes
+    recheck_every: int = 8  # while no drafts pay, steps of the same batch that keep k = 0 before deciding again
     _since_probe: int = 0
     _probe_gap: int = 0  # decisions from one probe to the next (0: not started, probe_every)
+    _idle_batch: object = None  # the batch the last k = 0 decision was made for (the caller's description)
+    _idle_left: int = 0  # steps that may still keep it (`keeps_no_drafts`)
+    _ages_owed: int = 0  # decisions kept without deciding: the acceptance counts age by them at the next
 
     def __post_init__(self) -> None:
         if (self.max_k < 0 or not 1 <= self.probe_every <= self.max_probe_every or self.min_gain < 0
-                or self.catch_up_horizon < 1 or not 0 < self.catch_up_alpha <= 1):
+                or self.catch_up_horizon < 1 or not 0 < self.catch_up_alpha <= 1 or self.recheck_every < 0):
             raise ValueError(f"max_k must be >= 0, 1 <= probe_every <= max_probe_every, min_gain >= 0, "
-                             f"catch_up_horizon >= 1 and 0 < catch_up_alpha <= 1, got {self.max_k}, {self.probe_every}, "
-                             f"{self.max_probe_every}, {self.min_gain}, {self.catch_up_horizon}, {self.catch_up_alpha}")
+                             f"catch_up_horizon >= 1, 0 < catch_up_alpha <= 1 and recheck_every >= 0, got {self.max_k}, "
+                             f"{self.probe_every}, {self.max_probe_every}, {self.min_gain}, {self.catch_up_horizon}, "
+                             f"{self.catch_up_alpha}, {self.recheck_every}")
         self.acceptance = AcceptanceEstimate(self.max_k)
 
     def new_epoch(self) -> None:
         """A new drafter (or the same one re-attached): its acceptance is learnt afresh."""
         self.acceptance.reset()
+        self._idle_left = self._ages_owed = 0
         self.propose.clear()
         self.catch_up_per_row = None
 
+    def keeps_no_drafts(self, batch: object) -> bool:
+        """Whether this step keeps the last decision's k = 0 without deciding again (it counts as a
+        decision): within `recheck_every` steps of it, for the same `batch` (the caller's
+        description, compared for equality), no probe due. While no drafts pay, nothing a step
+        without drafts measures can make them pay (only its own width's cost and the catch-up
+        grow), so deciding every step would cost the step's bookkeeping for the same answer."""
+        if self._idle_left <= 0 or batch != self._idle_batch:
+            return False
+        if self._since_probe + 1 >= (self._probe_gap or self.probe_every):
+            return False  # a probe is due: decide
+        self._idle_left -= 1
+        self._since_probe += 1
+        self._ages_owed += 1
+        return True
+
     def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0,
-               batch_seqs: int | None = None) -> Decision:
+               batch_seqs: int | None = None, batch: object = None) -> Decision:
         """k for this step's `num_seqs` decoding sequences that may draft; `base_tokens`: the step's
         query tokens without drafts; `max_k`: the most drafts anyone may ask for now, as the
         caller bounded it (Speculation.draft_limit; at most the policy's K); `catch_up_rows`: context rows the drafter would catch up on, each divided
         by the steps its sequence may still draft (`amortized_rows`); `batch_seqs`: the step's
-        sequences in all, drafting or not (default `num_seqs`), whose cost table prices it."""
+        sequences in all, drafting or not (default `num_seqs`), whose cost table prices it; `batch`:
+        the caller's description of the step's batch, which a k = 0 decision is kept for
+        (`keeps_no_drafts`; None: not kept)."""
         if max_k > self.max_k:
             raise ValueError(f"max_k {max_k} exceeds the policy's K {self.max_k}: the caller bounds k")
+        self._idle_left = 0
         if not self.adaptive or max_k <= 0:
             return Decision(max(max_k, 0))
-        self.acceptance.age()
+        self.acceptance.age(1 + self._ages_owed)
+        self._ages_owed = 0
+        decision = self._decide(num_seqs, base_tokens, max_k, catch_up_rows, batch_seqs)
+        if decision == Decision(0) and batch is not None:
+            self._idle_batch, self._idle_left = batch, self.recheck_every
+        return decision
+
+    def _decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float,
+                batch_seqs: int | None) -> Decision:
         if not (self.forward.known and self.propose.known):
             return Decision(max_k)  # nothing measured yet: speculate, which measures both
         forward = self.forward.table(num_seqs if batch_seqs is None else batch_seqs)

@@ -192,7 +192,8 @@ class EngineCore:
         verified = self._grammar_checked(tracked, drafts)
         started = time.perf_counter()
         result = self.runner.execute(plan.scheduled, verified, [t.sampling for t in tracked],
-                                     [t.grammar for t in tracked])  # host lists: the device is done
+                                     [t.grammar for t in tracked],  # host lists: the device is done
+                                     staging_row=self.speculator.staging_row())
         seconds = time.perf_counter() - started
         emitted, row_starts = result.tokens, result.row_starts
         self._gather_prompt_logprobs(plan.scheduled, result.prompt_logprobs)

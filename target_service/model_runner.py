@@ -77,6 +77,7 @@ class ModelRunner:
         staging = layout.staging
         self.staging = pool.staging() if staging is not None else None  # [rows, len(capture_layers) * hidden]
         self.capture_layers = staging.layer_ids if staging is not None else ()
+        self._capture_direct = len(set(self.capture_layers)) == len(self.capture_layers)  # each layer once (EAGLE-3 may repeat one)
 
     def build_inputs(self, scheduled: list[ScheduledSeq], drafts: dict[int, list[int]]) -> StepInputs:
         ids: list[int] = []
@@ -111,20 +112,28 @@ class ModelRunner:
         drafts: dict[int, list[int]],
         sampling: list[SequenceSampling],  # one per sampling sequence (`ScheduledSeq.samples`), in order
         grammars: list[SequenceGrammar | None] | None = None,  # structured output, per sampling sequence
+        staging_row: int = 0,  # where this step's hidden states go in the staging rows (rows before it are held)
     ) -> StepResult:
         """One step (prefill chunks, decodes and verifies together): each sampling sequence's
         rows are shaped (its `LogitsShaper`) and masked to what its grammar allows (drafts the
         grammar forbids cut there), then verified or sampled. Logprobs read the raw rows."""
         inputs = self.build_inputs(scheduled, drafts)
         self.backend.plan(inputs.meta)
-        forward = self.native_forward or self.forward
-        hidden, captured = forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
-                                   capture_layers=self.capture_layers)  # [T, hidden]
-        self._stage_hidden(captured, inputs.meta.num_tokens)
+        staged = self._staging_rows(staging_row, inputs.meta.num_tokens)
+        if self.native_forward is not None and self._capture_direct:
+            hidden, _ = self.native_forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
+                                            self.backend, capture_layers=self.capture_layers,
+                                            capture_into=staged)  # [T, hidden]; captures written into `staged`
+        else:
+            forward = self.native_forward or self.forward
+            hidden, captured = forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
+                                       capture_layers=self.capture_layers)  # [T, hidden]
+            self._stage_hidden(captured, staged)
+        row_starts = [staging_row + row for row in inputs.row_starts]
         prompt = self._prompt_logprobs(scheduled, inputs, hidden)
         rows, spans = self._logit_rows(scheduled, drafts, inputs)
         if not spans:  # a step of prefill chunks only: no logits are read
-            return StepResult([], [], prompt, inputs.row_starts)
+            return StepResult([], [], prompt, row_starts)
         sampling_seqs = [s.seq for s in scheduled if s.samples]
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
         shaped = shape_rows(logits, spans, [
@@ -137,7 +146,7 @@ class ModelRunner:
         logprobs = [position_logprobs(logits[lo : lo + len(emitted)], emitted, entry.top_logprobs)
                     if entry.top_logprobs is not None else None
                     for (lo, _, _), emitted, entry in zip(spans, tokens, sampling)]
-        return StepResult(tokens, logprobs, prompt, inputs.row_starts)
+        return StepResult(tokens, logprobs, prompt, row_starts)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledSeq], inputs: StepInputs,
                          hidden: torch.Tensor) -> dict[int, list[PositionLogprobs]]:
@@ -158,12 +167,20 @@ class ModelRunner:
             seq.prompt_logprobs_done = end
         return out
 
-    def _stage_hidden(self, captured: dict[int, torch.Tensor], num_tokens: int) -> None:
+    def _staging_rows(self, first: int, num_tokens: int) -> torch.Tensor | None:
+        """The staging rows [num_tokens, width] this step's captured hidden states go to (None: none kept)."""
         if self.staging is None or not self.capture_layers:
+            return None
+        if not 0 <= first <= self.staging.shape[0] - num_tokens:
+            raise ValueError(f"staging rows {first}..{first + num_tokens} outside the buffer's {self.staging.shape[0]}")
+        return self.staging[first : first + num_tokens]
+
+    def _stage_hidden(self, captured: dict[int, torch.Tensor], staged: torch.Tensor | None) -> None:
+        if staged is None:
             return
-        width = self.staging.shape[1] // len(self.capture_layers)
+        width = staged.shape[1] // len(self.capture_layers)
         for slot, layer in enumerate(self.capture_layers):  # straight into the staging rows, no [T, n·hidden] concat
-            self.staging[:num_tokens, slot * width : (slot + 1) * width].copy_(captured[layer])  # [T, hidden]
+            staged[:, slot * width : (slot + 1) * width].copy_(captured[layer])  # [T, hidden]
 
     @staticmethod
     def _logit_rows(scheduled: list[ScheduledSeq], drafts: dict[int, list[int]], inputs: StepInputs):

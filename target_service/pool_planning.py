@@ -78,6 +78,11 @@ class PoolPlanner:
         specs = model.kv_layer_specs() + (list(facts.layers) if facts else [])
         staging = None
         if facts and facts.target_layer_ids:
+            layer_ids = facts.target_layer_ids  # the drafter's word: bounded before it sizes the staging rows
+            most = max(3, model.num_layers)  # EAGLE-3 reads 3 (a layer may repeat on a shallow target), DFlash distinct ones
+            if len(layer_ids) > most or not all(0 <= i < model.num_layers for i in layer_ids):
+                raise ValueError(f"the drafter asks for the hidden states of target layers {list(layer_ids)[:16]}: "
+                                 f"at most {most} of the layers 0..{model.num_layers - 1}")
             staging = StagingSpec(rows=config.max_num_batched_tokens,
                                   width=len(facts.target_layer_ids) * model.hidden_size,
                                   dtype=str(model_dtype).removeprefix("torch."), layer_ids=tuple(facts.target_layer_ids))

@@ -5,7 +5,7 @@ sent as a `SequenceUpdate`): the tokens whose target KV now exists, the staging 
 holding their hidden states, and the pages added to its page table. The next step's one
 batched `Propose` carries those updates together with the draft requests. A step that asks
 for no drafts sends no Propose: its updates wait for the next one that does (`StagedRows`
-keeps the hidden states such an update points at, which the next forward would overwrite).
+keeps the hidden states such an update points at: the next forward writes after them).
 A sequence is speculated only if the drafter of the current epoch saw it from position 0;
 any failure ends the epoch, so no half-delivered update is ever trusted.
 
@@ -63,6 +63,9 @@ class NoSpeculation:
     def needs_hidden_states(self, seq: Sequence) -> bool:
         return False
 
+    def staging_row(self) -> int:
+        return 0
+
     def due_for_handshake(self) -> bool:
         return False
 
@@ -108,69 +111,52 @@ class PendingUpdate:
 class StagedRows:
     """Hidden-state rows of context a drafter that reads them (DFlash) has not been sent yet.
 
-    Each forward writes its tokens' rows to the staging buffer, and an update names where
-    (`staging_row`). A step that sends no Propose copies those rows out (`hold`, one gather
-    into `buffer`) before the next forward overwrites them; when a Propose goes, `restage`
-    packs each update's held rows and its fresh ones into consecutive staging rows (one
-    gather) and points the update at them. A few tensor ops a step, whatever the batch."""
+    Each forward writes its tokens' rows to the staging buffer from `used` on (`staging_row`),
+    so a step that sends no Propose keeps its rows where they are: the next forward writes
+    after them. When a Propose goes, `restage` packs each update's rows (its held ones, then
+    the last forward's) into consecutive rows from row 0 and points the update at them, one
+    gather at most (none when they already lie in that order, as one sequence's always do).
+    After the Propose the drafter has read them, and the next forward writes from row 0."""
 
     fresh: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id → (first row, count), last forward's
-    held: dict[int, list[int]] = field(default_factory=dict)  # seq_id → its rows of `buffer`, in context order
-    buffer: torch.Tensor | None = None  # [staging rows, width]: the held rows, in the order held
-    used: int = 0  # rows of `buffer` written since the last restage (a dropped sequence's stay counted)
+    held: dict[int, list[range]] = field(default_factory=dict)  # seq_id → its earlier rows, in context order
+    used: int = 0  # rows written since the last Propose (a dropped sequence's stay counted)
 
     def note_fresh(self, seq_id: int, row: int, count: int) -> None:
         if count > 0:
             self.fresh[seq_id] = (row, count)
 
     def rows_after_holding(self) -> int:
-        return self.used + sum(count for _, count in self.fresh.values())
+        return max(self.used, max((row + count for row, count in self.fresh.values()), default=0))
 
-    def hold(self, staging: torch.Tensor) -> None:
-        """Copy the last forward's rows out of `staging` [rows, width]: the next forward reuses it."""
+    def hold(self) -> None:
+        """Keep the last forward's rows for a later Propose: the next forward writes past them."""
         if not self.fresh:
             return
-        if self.buffer is None or self.buffer.shape != staging.shape or self.buffer.device != staging.device:
-            self.buffer = torch.empty_like(staging)  # [rows, width]
-        rows = self._fresh_rows()
-        end = self.used + len(rows)
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # the usual case: one run of rows, one copy
-            self.buffer[self.used : end].copy_(staging[rows[0] : rows[0] + len(rows)])
-        else:
-            torch.index_select(staging, 0, torch.tensor(rows, device=staging.device), out=self.buffer[self.used : end])
-        cursor = self.used
-        for seq_id, (_, count) in self.fresh.items():
-            self.held.setdefault(seq_id, []).extend(range(cursor, cursor + count))
-            cursor += count
-        self.used = end
+        self.used = self.rows_after_holding()
+        for seq_id, (row, count) in self.fresh.items():
+            self.held.setdefault(seq_id, []).append(range(row, row + count))
         self.fresh.clear()
 
     def restage(self, staging: torch.Tensor, updates: dict[int, PendingUpdate]) -> None:
-        """Each update's held rows, then its fresh ones, packed from row 0 of `staging`; the
-        caller guaranteed they fit (`rows_after_holding` was checked against every deferral)."""
-        if not self.held:
-            self.fresh.clear()
-            return
-        fresh_at, cursor = {}, self.used  # fresh rows follow the held ones in `sources`
-        for seq_id, (_, count) in self.fresh.items():
-            fresh_at[seq_id] = range(cursor, cursor + count)
-            cursor += count
+        """Each update's rows packed from row 0 of `staging` [rows, width], in context order."""
         order: list[int] = []
         for seq_id, update in updates.items():
-            rows = [*self.held.get(seq_id, ()), *fresh_at.get(seq_id, ())]
-            if rows:
-                update.staging_row = len(order)
+            first = len(order)
+            for rows in self.held.get(seq_id, ()):
                 order.extend(rows)
-        fresh = staging[torch.tensor(self._fresh_rows(), dtype=torch.long, device=staging.device)]  # [F, width]
-        sources = torch.cat([self.buffer[: self.used], fresh])  # [used + F, width]: copies, so staging may be written
-        staging[: len(order)] = sources[torch.tensor(order, device=staging.device)]
+            if seq_id in self.fresh:
+                row, count = self.fresh[seq_id]
+                order.extend(range(row, row + count))
+            if len(order) > first:
+                update.staging_row = first
+        if order and order != list(range(len(order))):
+            index = torch.tensor(order, dtype=torch.long, device=staging.device)
+            staging[: len(order)] = staging[index]  # [len(order), width]: gathered first, so rows may overlap
         self.clear()
 
-    def _fresh_rows(self) -> list[int]:
-        return [r for row, count in self.fresh.values() for r in range(row, row + count)]
-
     def drop(self, seq_id: int) -> None:
-        self.held.pop(seq_id, None)  # its buffer rows are reclaimed at the next restage
+        self.held.pop(seq_id, None)  # its rows are reclaimed after the next Propose
         self.fresh.pop(seq_id, None)
 
     def clear(self) -> None:
@@ -236,6 +222,10 @@ class Speculator:
             return NO_EPOCH
         return self.epoch
 
+    def staging_row(self) -> int:
+        """The staging row the next forward writes its hidden states from (the rows before it are held)."""
+        return self._staged.used
+
     def needs_hidden_states(self, seq: Sequence) -> bool:
         """Whether the drafter, to follow `seq`, needs the target's hidden states of every token
         its layers are not written for (DFlash): then only pages it wrote serve as a prefix."""
@@ -273,6 +263,10 @@ class Speculator:
             return {}
         if not self.link.ready or self.link.facts is None:
             return {}
+        batch = (len(running), sum(seq.num_uncomputed_tokens for seq in running))
+        if self.policy.keeps_no_drafts(batch):
+            self._count_decision(Decision(0), metrics)
+            return {}
         drafter_k = self.link.facts.num_speculative_tokens
         limits = {}
         catch_up_rows = 0.0
@@ -286,7 +280,7 @@ class Speculator:
                 catch_up_rows += self.policy.amortized_rows(self._behind.get(seq.seq_id, 0), tokens_left)
         if not limits:
             return {}
-        decision = self._decide(running, limits, catch_up_rows, metrics)
+        decision = self._decide(running, limits, catch_up_rows, batch, metrics)
         drafts = {seq_id: min(limit, decision.k) for seq_id, limit in limits.items()}
         if decision.probe_k:
             # A probe asks one sequence for more: acceptance is learnt per draft position, and a
@@ -305,18 +299,23 @@ class Speculator:
             self._probe_seq = sorted(limits)[self._probe_turn % len(limits)]
         return self._probe_seq
 
-    def _decide(self, running: list[Sequence], limits: dict[int, int], catch_up_rows: float,
+    def _decide(self, running: list[Sequence], limits: dict[int, int], catch_up_rows: float, batch: tuple[int, int],
                 metrics: TargetMetrics) -> Decision:
-        base = sum(seq.num_uncomputed_tokens for seq in running)  # decodes 1 each, prefills their rest
+        base = batch[1]  # decodes 1 each, prefills their rest
         if self.max_num_batched_tokens is not None:
             base = min(base, self.max_num_batched_tokens)
-        decision = self.policy.decide(len(limits), base, max(limits.values()), catch_up_rows, batch_seqs=len(running))
+        decision = self.policy.decide(len(limits), base, max(limits.values()), catch_up_rows, batch_seqs=len(running),
+                                      batch=batch)
+        self._count_decision(decision, metrics)
+        return decision
+
+    @staticmethod
+    def _count_decision(decision: Decision, metrics: TargetMetrics) -> None:
         metrics.num_drafts_chosen.observe(decision.k)
         if decision.probe_k:
             metrics.policy_probes.inc()
         elif decision.k == 0:
             metrics.policy_zero_steps.inc()
-        return decision
 
     def propose(self, scheduled: list[ScheduledSeq], metrics: TargetMetrics) -> dict[int, list[int]]:
         """One batched Propose: pending updates, releases, and draft requests."""
@@ -325,7 +324,7 @@ class Speculator:
         asks = [s for s in scheduled if s.num_lookahead_tokens and self.follows(s.seq)]
         if not asks and (not self._pending and not self._released or self._may_defer(scheduled)):
             if self._pending and self.shared.layout.staging is not None:
-                self._staged.hold(self.shared.pool.staging())
+                self._staged.hold()
             return {}
         updates = dict(self._pending)
         for s in asks:

@@ -187,7 +187,7 @@ class ScriptedPolicy(DraftPolicy):
         self._script = iter(script)
 
     def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0,
-               batch_seqs: int | None = None) -> Decision:
+               batch_seqs: int | None = None, batch: object = None) -> Decision:
         step = next(self._script, self.max_k)
         k, probe_k = step if isinstance(step, tuple) else (step, 0)
         return Decision(min(k, max_k), min(probe_k, max_k))

@@ -406,3 +406,56 @@ def test_a_batch_is_not_priced_from_another_batch_sizes_widths():
     assert policy.forward.table(7).known is False
     policy.forget_measurements()
     assert not policy.forward.known
+
+
+def keep_or_decide(policy: DraftPolicy, batch: object) -> Decision | None:
+    """What a step's caller does: keep the last k = 0 for this batch (None), else decide."""
+    if policy.keeps_no_drafts(batch):
+        return None
+    return policy.decide(1, 1, K, batch=batch)
+
+
+def test_a_batch_that_asked_for_no_drafts_keeps_that_answer_for_a_few_steps_then_decides_again():
+    policy = measured_policy(0.05 * DECODE, 0.001, probe_every=4)
+    policy.max_probe_every = policy.probe_every = 64  # no probe within this test's steps
+    run(policy, 50, accepted=0)  # drafts stop paying
+    assert policy.decide(1, 1, K, batch=("a",)) == Decision(0)
+    kept = [keep_or_decide(policy, ("a",)) for _ in range(policy.recheck_every)]
+    assert kept == [None] * policy.recheck_every  # the bookkeeping of a decision is skipped
+    assert keep_or_decide(policy, ("a",)) == Decision(0)  # then decided again (and kept again)
+    assert keep_or_decide(policy, ("b",)) == Decision(0)  # another batch is never kept for: decided
+    assert not policy.keeps_no_drafts(None) and policy.keeps_no_drafts(("b",))
+
+
+def test_a_kept_answer_never_skips_a_due_probe_and_ages_the_acceptance_as_decisions_do():
+    def policy_after_rejections() -> DraftPolicy:
+        policy = measured_policy(0.05 * DECODE, 0.001, probe_every=4)
+        policy.max_probe_every = 8
+        run(policy, 40, accepted=0)
+        return policy
+
+    kept, decided = policy_after_rejections(), policy_after_rejections()
+    kept_probes, decided_probes = [], []
+    for step in range(64):
+        if (d := keep_or_decide(kept, ("a",))) is not None and d.probe_k:
+            kept_probes.append(step)
+            kept.record_verify(d.probe_k, 0)
+        if (d := decided.decide(1, 1, K)).probe_k:
+            decided_probes.append(step)
+            decided.record_verify(d.probe_k, 0)
+    assert kept_probes == decided_probes and len(kept_probes) >= 3  # every probe on the same step
+    kept.decide(1, 1, K)  # pays the ages it owes
+    decided.decide(1, 1, K)
+    assert kept.acceptance.values == pytest.approx(decided.acceptance.values)
+    assert [kept.acceptance.trials(i) for i in (1, 2)] == pytest.approx([decided.acceptance.trials(i) for i in (1, 2)])
+
+
+def test_the_fixed_policy_and_a_new_epoch_keep_nothing():
+    fixed = DraftPolicy(K, adaptive=False)
+    assert fixed.decide(1, 1, K, batch=("a",)) == Decision(K) and not fixed.keeps_no_drafts(("a",))
+    policy = measured_policy(0.05 * DECODE, 0.001, probe_every=64)
+    policy.max_probe_every = 64
+    run(policy, 50, accepted=0)
+    assert policy.decide(1, 1, K, batch=("a",)) == Decision(0)
+    policy.new_epoch()  # a new drafter: its acceptance is unknown, so decide
+    assert not policy.keeps_no_drafts(("a",))

@@ -128,6 +128,32 @@ def test_the_last_capture_is_after_the_final_norm(model):
     assert not torch.equal(captured[0], hidden)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_captures_go_straight_into_staging_rows_as_a_copy_would_put_them(model, dtype):
+    """`capture_into` (rows of a staging buffer, its row stride wider than the captures): each layer's
+    hidden states side by side in the order asked, rounded to the buffer's dtype as torch's copy
+    rounds; the rows around them untouched; a layer asked twice refused."""
+    native = NativeForward(decoder_stack(model))
+    layers, hidden_size = (model.num_layers - 1, 0), model.config.hidden_size
+    ids = _tokens(12, 9)
+    _, expected = Pool(model).step(native, ids, [12], [12], [[1]], capture=layers)
+    staging = torch.full((20, 3 * hidden_size), 7.0, dtype=dtype)  # a third slot the captures leave alone
+    rows = staging[5:17, : 2 * hidden_size]
+    pool = Pool(model)
+    meta = AttentionMetadata.build(query_lens=[12], seq_lens=[12], page_tables=[[1]], page_size=PAGE_SIZE,
+                                   device=torch.device("cpu"))
+    pool.backend.plan(meta)
+    with torch.inference_mode():
+        _, captured = native(torch.tensor(ids), torch.arange(12), meta, pool.caches, pool.backend, layers, rows)
+    assert captured == {}
+    for slot, layer in enumerate(layers):
+        assert torch.equal(rows[:, slot * hidden_size : (slot + 1) * hidden_size], expected[layer].to(dtype))
+    assert bool((staging[:5] == 7).all() and (staging[17:] == 7).all() and (staging[:, 2 * hidden_size :] == 7).all())
+    pool.backend.plan(meta)
+    with pytest.raises(ValueError, match="each layer once"), torch.inference_mode():
+        native(torch.tensor(ids), torch.arange(12), meta, pool.caches, pool.backend, (0, 0), rows)
+
+
 def test_crafted_slots_and_page_ids_are_refused_and_nothing_is_written(model):
     native, pool = NativeForward(decoder_stack(model)), Pool(model, num_pages=8)
     before = [cache.clone() for cache in pool.caches]

@@ -26,7 +26,7 @@ typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down;                // tile-packed bfloat16 weights
     const float *input_norm, *post_norm, *q_norm, *k_norm;  // float32; q/k norms NULL where the model has none
     uint8_t *kv;                                            // the layer's pool region
-    float *capture;                                         // [T, hidden] after this layer, or NULL
+    void *capture;  // the hidden state after this layer, [T, hidden] rows `capture_stride` apart, or NULL
 } DecoderLayer;
 
 typedef struct {
@@ -37,6 +37,8 @@ typedef struct {
     int64_t page_stride, plane_stride, token_stride, head_stride, num_pages;
     int32_t page_size;
     int32_t kv_kind;
+    int64_t capture_stride;  // elements from one captured row to the next
+    int32_t capture_kind;    // KV_F32 or KV_BF16: the captures' element type
 } Decoder;
 
 static inline uint16_t round_to_bf16(float value) {  // nearest even, as torch rounds
@@ -74,15 +76,33 @@ static void add_rows(float *x, const float *delta, int64_t count, int threads) {
     for (int64_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
+// e^x for x in [-87, 88] (clamped there: silu's gate saturates long before), within 2 ulp of expf,
+// in straight-line code the compiler vectorizes: exp_nonpositive's reduction, either sign.
+static inline __attribute__((always_inline)) float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
 // [T, 2I] float32 (gate | up) → bf16(silu(gate) * up) [T, I]
 static void silu_mul_rows(const float *gate_up, uint16_t *out, int64_t rows, int64_t inter, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows >= 8) schedule(static)
     for (int64_t t = 0; t < rows; t++) {
         const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = gate[i];
-            out[t * inter + i] = round_to_bf16(g / (1.0f + expf(-g)) * up[i]);
-        }
+        float silu[inter];
+        for (int64_t i = 0; i < inter; i++) silu[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+        for (int64_t i = 0; i < inter; i++) out[t * inter + i] = round_to_bf16(silu[i]);
     }
 }
 
@@ -91,10 +111,15 @@ static void silu_mul_rows(const float *gate_up, uint16_t *out, int64_t rows, int
 static void norm_and_rotate(const float *v, const float *norm, float eps, const float *cos, const float *sin,
                             float *out, int64_t dim) {
     float normed[dim];
-    const float scale = norm != NULL ? rms_scale(v, dim, eps) : 1.0f;
-    for (int64_t i = 0; i < dim; i++) normed[i] = norm != NULL ? v[i] * scale * norm[i] : v[i];
+    if (norm != NULL) {
+        const float scale = rms_scale(v, dim, eps);
+        for (int64_t i = 0; i < dim; i++) normed[i] = v[i] * scale * norm[i];
+    } else {
+        memcpy(normed, v, sizeof(float) * (size_t)dim);
+    }
     const int64_t half = dim / 2;
-    for (int64_t i = 0; i < dim; i++) out[i] = normed[i] * cos[i] + normed[(i + half) % dim] * sin[i];
+    for (int64_t i = 0; i < half; i++) out[i] = normed[i] * cos[i] + normed[i + half] * sin[i];
+    for (int64_t i = half; i < dim; i++) out[i] = normed[i] * cos[i] + normed[i - half] * sin[i];
 }
 
 static void store_vector(uint8_t *at, const float *v, int64_t dim, int32_t kind) {
@@ -132,6 +157,20 @@ static void queries_and_kv(const Decoder *d, const DecoderLayer *layer, const fl
     }
 }
 
+// A layer's hidden states [T, hidden] into its capture rows (`capture_stride` elements apart), as float32
+// or rounded to bfloat16 (as torch's copy rounds).
+static void store_capture(const Decoder *d, void *capture, const float *x, int64_t rows) {
+    const int64_t hidden = d->hidden;
+    for (int64_t t = 0; t < rows; t++) {
+        if (d->capture_kind == KV_F32) {
+            memcpy((float *)capture + t * d->capture_stride, x + t * hidden, sizeof(float) * (size_t)hidden);
+        } else {
+            uint16_t *row = (uint16_t *)capture + t * d->capture_stride;
+            for (int64_t i = 0; i < hidden; i++) row[i] = round_to_bf16(x[t * hidden + i]);
+        }
+    }
+}
+
 static void norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
     for (int64_t t = 0; t < rows; t++) {
         const float scale = rms_scale(x + t * n, n, eps);
@@ -150,7 +189,8 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
                               int threads) {
     if (!HAVE_AMX) return FWD_NO_AMX;
     if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16) ||
-        d->kv_heads < 1 || d->q_heads % d->kv_heads)
+        d->kv_heads < 1 || d->q_heads % d->kv_heads || (d->capture_kind != KV_F32 && d->capture_kind != KV_BF16) ||
+        d->capture_stride < d->hidden)
         return FWD_BAD_SHAPE;
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
@@ -193,12 +233,12 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
         PRODUCT(product_in, rows, inter, layer->down, hidden, delta, 1, threads);
         if (status != FWD_OK) break;
         add_rows(x, delta, rows * hidden, threads);
-        if (layer->capture != NULL && i + 1 < d->layers) memcpy(layer->capture, x, sizeof(float) * (size_t)(rows * hidden));
+        if (layer->capture != NULL && i + 1 < d->layers) store_capture(d, layer->capture, x, rows);
     }
     if (status == FWD_OK) {
         norm_rows(x, d->final_norm, out, rows, hidden, d->eps);
         const DecoderLayer *last = layers + d->layers - 1;
-        if (last->capture != NULL) memcpy(last->capture, out, sizeof(float) * (size_t)(rows * hidden));
+        if (last->capture != NULL) store_capture(d, last->capture, out, rows);
     }
     free(product_in);
     free(product_out);
