@@ -254,7 +254,14 @@ def median_seconds(run: Callable[[], float], repeat: int) -> float:
 def measure_once(core: EngineCore, row: int, name: str, prompts: list[list[int]], new_tokens: int,
                  concurrency: int, drafter_metrics: str | None = None, speculate: bool = True) -> Result:
     """One run of an engine row; with a drafter, the mean Propose round trip and, for a
-    drafter process, the part spent inside the drafter (the rest is transport)."""
+    drafter process, the part spent inside the drafter (the rest is transport).
+
+    Every run starts with an empty prefix cache, as vLLM's throughput benchmark does: the runs
+    repeat the same prompts, which would be cache hits for target-only from its second run on
+    but not for DFlash, whose drafter needs the hidden states of a prompt it has not written
+    (target_service/speculation.py). Every row prefills every prompt; what caching saves is
+    bench/prefix_cache.py's to measure."""
+    core.page_manager.reset_prefix_cache()
     propose = HistogramMean.of(core.metrics.propose_latency)
     inside = (HistogramMean.scraped(drafter_metrics, "splitspec_draft_propose_latency_seconds")
               if drafter_metrics else None)

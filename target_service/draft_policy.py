@@ -311,6 +311,7 @@ class DraftPolicy:
     _idle_batch: object = None  # the batch the last k = 0 decision was made for (the caller's description)
     _idle_left: int = 0  # steps that may still keep it (`keeps_no_drafts`)
     _ages_owed: int = 0  # decisions kept without deciding: the acceptance counts age by them at the next
+    _probe_declined: bool = False  # the last decision had a probe due and found none worth asking
 
     def __post_init__(self) -> None:
         if (self.max_k < 0 or not 1 <= self.probe_every <= self.max_probe_every or self.min_gain < 0
@@ -336,8 +337,8 @@ class DraftPolicy:
         grow), so deciding every step would cost the step's bookkeeping for the same answer."""
         if self._idle_left <= 0 or batch != self._idle_batch:
             return False
-        if self._since_probe + 1 >= (self._probe_gap or self.probe_every):
-            return False  # a probe is due: decide
+        if self._since_probe + 1 >= (self._probe_gap or self.probe_every) and not self._probe_declined:
+            return False  # a probe is due: decide (unless the decision kept already found it would teach nothing)
         self._idle_left -= 1
         self._since_probe += 1
         self._ages_owed += 1
@@ -377,11 +378,13 @@ class DraftPolicy:
         catch_up = catch_up_rows * (self.catch_up_per_row or 0.0)
         k = self._best_k(forward, self.acceptance.values, num_seqs, base_tokens, max_k, catch_up)
         self._since_probe += 1
+        self._probe_declined = False
         if self._since_probe < (self._probe_gap or self.probe_every):
             return Decision(k)
         probe_k = self._best_k(forward, self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
         if probe_k <= k:
             if not (0 < k < max_k and forward.weight(base_tokens + num_seqs * k + 1) < forward.max_weight):
+                self._probe_declined = True
                 return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
             # Acceptance has nothing to teach, but one draft more would measure a width the cost
             # table barely knows (it leans on its neighbours until measured max_weight times).
