@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -94,6 +94,14 @@ def requests_for(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
     """The prompts, repeated until there are enough to keep `concurrency` requests in flight."""
     repeats = -(-concurrency // len(prompts))
     return (prompts * repeats)[: max(len(prompts), concurrency)]
+
+
+def batches_for(held_out: list[list[int]], count: int, levels: Iterable[int]) -> dict[int, list[list[int]]]:
+    """Per concurrency, the requests of a run: the first `count` held-out prompts, or as many
+    distinct ones as the concurrency keeps in flight. A repeated prompt would be a prefix-cache
+    hit for some rows and not others (DFlash needs the hidden states of a prompt its drafter has
+    not written), and the rows would no longer do the same work."""
+    return {c: requests_for(held_out[: max(count, c)], c) for c in levels}
 
 
 class HistogramMean:
@@ -335,7 +343,7 @@ def _chosen_note(mean_k: float | None, zero_share: float | None, probe_share: fl
             f"probes in {100 * probe_share:.0f}%")
 
 
-def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...], k: int,
+def splitspec_rows(models: Path, batches: dict[int, list[list[int]]], new_tokens: int, levels: tuple[int, ...], k: int,
                    repeat: int, tmp: str, policy: str = "adaptive",
                    compile_steps: bool = False) -> tuple[list[Result], list[str]]:
     """Rows 4-9, every engine (and drafter process) up at once and measured in turns; and the
@@ -371,7 +379,7 @@ def splitspec_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
         results = []
         for c in sorted({*levels, 16}):
             measured = rows if c in levels else rows[:1]  # row 4 at 16 always: the ratios' baseline
-            results += measure_interleaved(measured, prompts, new_tokens, c, repeat)
+            results += measure_interleaved(measured, batches[c], new_tokens, c, repeat)
         return results, kernels
     finally:
         for core in {id(r.core): r.core for r in rows}.values():  # row 9 is row 7's engine
@@ -392,8 +400,8 @@ def forward_description(core: EngineCore) -> str:
     return f"{core.model_info.dtype}, {kind}"
 
 
-def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, levels: tuple[int, ...],
-                   repeat: int, tokenizer) -> list[Result]:
+def reference_rows(models: Path, prompts: list[list[int]], batches: dict[int, list[list[int]]], new_tokens: int,
+                   levels: tuple[int, ...], repeat: int, tokenizer) -> list[Result]:
     from dflash.model import DFlashDraftModel
     from transformers import AutoModelForCausalLM
 
@@ -408,7 +416,7 @@ def reference_rows(models: Path, prompts: list[list[int]], new_tokens: int, leve
         assisted = median_seconds(lambda: run_assisted(target, draft, prompts, new_tokens), repeat)
         dflash_seconds = median_seconds(lambda: run_dflash_generate(target, dflash, prompts, new_tokens), repeat)
         for c in levels:
-            batch = requests_for(prompts, c)
+            batch = batches[c]
             seconds = median_seconds(lambda: run_transformers(target, batch, new_tokens, c, pad), repeat)  # noqa: B023
             results.append(Result(1, "transformers generate", c, len(batch) * new_tokens, seconds,
                                   note="" if c == 1 else "left-padded batches"))
@@ -428,7 +436,8 @@ def table(results: list[Result], args: argparse.Namespace, kernels: list[str] = 
         f"({torch.get_num_threads()} torch threads in the engines), "
         f"{'--compile' if args.compile else 'default forward'}"
         f"{' (row 4: ' + kernels[0].removeprefix('forward: ') + ')' if kernels else ''}; "
-        f"demo models, {args.prompts} held-out prompts, {args.new_tokens} new tokens each, greedy, K={args.k} "
+        f"demo models, {args.prompts} held-out prompts (as many distinct ones as a higher concurrency keeps in "
+        f"flight; every run from an empty prefix cache), {args.new_tokens} new tokens each, greedy, K={args.k} "
         f"({args.speculative_policy} policy); "
         f"each row the median of {args.repeat} runs, the rows taking turns.",
         "",
@@ -543,11 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer, prompts = load_held_out(args.models, args.prompts)
     levels = tuple(int(c) for c in args.concurrency.split(","))
+    measured_levels = sorted({*levels, 16})  # row 4 at 16 always
+    tokenizer, held_out = load_held_out(args.models, max(args.prompts, *measured_levels))
+    prompts, batches = held_out[: args.prompts], batches_for(held_out, args.prompts, measured_levels)
     with tempfile.TemporaryDirectory() as tmp:
-        results = reference_rows(args.models, prompts, args.new_tokens, levels, args.repeat, tokenizer)
-        rows, kernels = splitspec_rows(args.models, prompts, args.new_tokens, levels, args.k, args.repeat, tmp,
+        results = reference_rows(args.models, prompts, batches, args.new_tokens, levels, args.repeat, tokenizer)
+        rows, kernels = splitspec_rows(args.models, batches, args.new_tokens, levels, args.k, args.repeat, tmp,
                                        args.speculative_policy, args.compile)
     results += rows
     text = table(results, args, kernels)

@@ -481,7 +481,7 @@ class Speculator:
         epoch = self.epoch
         for s, start, row in zip(scheduled, computed_before, row_starts):
             seq = s.seq
-            if seq.is_finished:
+            if seq.is_finished or seq.request.speculation.disable:  # never drafted for: never followed
                 continue
             count = seq.num_computed_tokens - start
             if start == seq.num_started_tokens:  # its first forward since admission

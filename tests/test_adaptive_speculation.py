@@ -163,6 +163,18 @@ def test_steps_without_drafts_do_not_call_a_drafter_that_reads_no_hidden_states(
     core.close()
 
 
+def test_a_request_that_disables_speculation_is_never_sent_to_the_drafter(speculative_engine, checkpoints_dflash,
+                                                                         shm_dir):
+    """Its context would cost the drafter (and a DFlash target its staging rows) for nothing."""
+    core, _, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 16, [], defer=True)
+    before = core.link.num_proposes
+    _generate(core, PROMPTS[0], speculate=False)
+    assert core.link.num_proposes == before
+    speculator = core.speculator
+    assert not speculator._followed and not speculator._pending and speculator.staging_row() == 0
+    core.close()
+
+
 def test_drafts_that_are_always_accepted_keep_being_asked_for(speculative_engine, checkpoints):
     target, same, _ = checkpoints
     core = _core(speculative_engine, target, same)

@@ -56,3 +56,14 @@ def test_pearl_bound_reads_full_acceptance_from_the_engines_counters(tmp_path, c
     assert pearl_bound.main(["--models", str(models), "--prompts", "2", "--new-tokens", "13", "-k", "3"]) == 0
     out = capsys.readouterr().out
     assert "| draft_model | 3.00 | 100.0% |" in out and "| dflash |" in out and "0 (needs the verify's" in out
+
+
+def test_a_concurrency_above_the_prompt_count_gets_distinct_prompts_while_there_are_any():
+    """A repeated prompt would be a prefix-cache hit for target-only but not for DFlash: every row
+    of a run must do the same work."""
+    held_out = [[i, i + 100] for i in range(16)]
+    batches = compare.batches_for(held_out, 8, (1, 8, 16))
+    assert batches[1] == batches[8] == held_out[:8]
+    assert batches[16] == held_out and len({tuple(p) for p in batches[16]}) == 16
+    short = compare.batches_for(held_out[:8], 8, (16,))  # only 8 exist: repeated, as before
+    assert short[16] == held_out[:8] * 2
