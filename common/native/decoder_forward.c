@@ -76,25 +76,6 @@ static void add_rows(float *x, const float *delta, int64_t count, int threads) {
     for (int64_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
-// e^x for x in [-87, 88] (clamped there: silu's gate saturates long before), within 2 ulp of expf,
-// in straight-line code the compiler vectorizes: exp_nonpositive's reduction, either sign.
-static inline __attribute__((always_inline)) float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 // [T, 2I] float32 (gate | up) → bf16(silu(gate) * up) [T, I]
 static void silu_mul_rows(const float *gate_up, uint16_t *out, int64_t rows, int64_t inter, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows >= 8) schedule(static)

@@ -35,11 +35,12 @@ static inline float bf16_to_float(uint16_t bits) {
     return value;
 }
 
-/* exp(x) for x <= 0 (a score minus its row's largest), within 2 ulp of expf, in straight-line
- * code the compiler vectorizes (glibc's expf is a call per element): x = n ln2 + r with
- * |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, times 2^n built in the exponent bits. */
-static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+/* e^x for x in [-87, 88] (clamped there), within 2 ulp of expf, in straight-line code the
+ * compiler vectorizes (glibc's expf is a call per element): x = n ln2 + r with |r| <= ln2 / 2,
+ * e^r by its degree-6 Taylor polynomial, times 2^n built in the exponent bits. The softmax takes
+ * it of scores minus their row's largest (x <= 0), the forward's SiLU of any gate. */
+static inline __attribute__((always_inline)) float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float n = __builtin_roundf(x * 1.44269504088896341f);
     const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
     float p = 1.0f / 720.0f;
@@ -141,7 +142,7 @@ attend_head(const float *q, float *out, int32_t rows, const int32_t *keys, int32
             }
             float total = 0.0f;
             for (int32_t j = 0; j < keys[r]; j++) {
-                scores[j] = exp_nonpositive(scores[j] - top);
+                scores[j] = exp_clamped(scores[j] - top);
                 total += scores[j];
             }
             const float inverse = 1.0f / total;
