@@ -83,9 +83,8 @@ class PoolPlanner:
             if len(layer_ids) > most or not all(0 <= i < model.num_layers for i in layer_ids):
                 raise ValueError(f"the drafter asks for the hidden states of target layers {list(layer_ids)[:16]}: "
                                  f"at most {most} of the layers 0..{model.num_layers - 1}")
-            staging = StagingSpec(rows=config.max_num_batched_tokens,
-                                  width=len(facts.target_layer_ids) * model.hidden_size,
-                                  dtype=str(model_dtype).removeprefix("torch."), layer_ids=tuple(facts.target_layer_ids))
+            staging = StagingSpec(rows=config.max_num_batched_tokens, width=len(layer_ids) * model.hidden_size,
+                                  dtype=str(model_dtype).removeprefix("torch."), layer_ids=tuple(layer_ids))
         num_pages = plan_num_pages(cache, bytes_per_page(cache.page_size, kv_dtype, specs), self.device,
                                    config.max_num_seqs, self.max_model_len)
         return build_layout(order=order, page_size=cache.page_size, kv_dtype=kv_dtype, num_pages=num_pages,

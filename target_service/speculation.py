@@ -223,8 +223,9 @@ class Speculator:
         return self.epoch
 
     def staging_row(self) -> int:
-        """The staging row the next forward writes its hidden states from (the rows before it are held)."""
-        return self._staged.used
+        """The staging row the next forward writes its hidden states from (the rows before it are held).
+        Row 0 while the link is down: what was held belongs to the failed epoch, and nobody reads it."""
+        return self._staged.used if self.link.ready else 0
 
     def needs_hidden_states(self, seq: Sequence) -> bool:
         """Whether the drafter, to follow `seq`, needs the target's hidden states of every token

@@ -175,6 +175,29 @@ def test_a_request_that_disables_speculation_is_never_sent_to_the_drafter(specul
     core.close()
 
 
+def test_rows_held_for_a_drafter_that_then_fails_do_not_push_the_next_forward_off_the_staging_buffer(
+        speculative_engine, checkpoints_dflash, shm_dir):
+    """Rows held for a deferred Propose stay where they are; once the drafter fails they serve nobody,
+    and a full-width prefill chunk must still find its staging rows (from row 0)."""
+    core, _, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 16, [0] * 100, defer=True)
+    core.add(EngineRequest("held", tuple(core.tokenizer.encode(PROMPTS[0]))[:8],
+                           stop=StopParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+    for _ in range(4):
+        core.step()
+    assert core.speculator.staging_row() > 0  # the prompt's and the decodes' rows are held
+    core.link.mark_failed("the drafter went away (test)")
+    assert core.speculator.staging_row() == 0
+    long_prompt = tuple(core.tokenizer.encode(PROMPTS[1] * 4))[:40]
+    core.add(EngineRequest("long", long_prompt, stop=StopParams(max_tokens=2, ignore_eos=True)))
+    finished = set()
+    for _ in range(MAX_TOKENS + 10):
+        finished |= {out.request_id for out in core.step() if out.finish_reason is not None}
+        if finished == {"held", "long"}:
+            break
+    assert finished == {"held", "long"}
+    core.close()
+
+
 def test_drafts_that_are_always_accepted_keep_being_asked_for(speculative_engine, checkpoints):
     target, same, _ = checkpoints
     core = _core(speculative_engine, target, same)
