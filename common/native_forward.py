@@ -40,7 +40,9 @@ from common.qwen3 import checked_capture_layers
 
 PAGE_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16}
 AMX_OFFSET = 20  # decoder_forward.c: an AMX product's status, offset
-STATUS = {**ATTENTION_STATUS, 11: "a slot outside the pool", 13: "out of memory", 15: "no AMX tiles in this build",
+BAD_POSITION = 12  # decoder_forward.c: a position past the rotary table (grown, then the call is made again)
+STATUS = {**ATTENTION_STATUS, 11: "a slot outside the pool", BAD_POSITION: "a position outside the rotary table",
+          13: "out of memory", 15: "no AMX tiles in this build",
           16: "a shape the forward does not support",
           **{AMX_OFFSET + code: f"AMX product: {text}" for code, text in AMX_STATUS.items()}}
 
@@ -59,10 +61,9 @@ class DecoderArgs(ctypes.Structure):
                 ("page_size", _I32), ("kv_kind", _I32), ("capture_stride", _I64), ("capture_kind", _I32)]
 
 
-_FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _INT]
-
-
-_CONTEXT_ARGS = [_P, _P, _P, _I64, _P, _P, _I64, _P, _P, _P, _INT]
+_FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _INT]
+_CONTEXT_ARGS = [_P, _P, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _INT]
+ROPE_POSITIONS_MIN = 1024  # the rotary table's first size; it doubles past the largest position asked
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class NativeForward:
                                     final_norm=self._keep(stack.final_norm), capture_stride=args.hidden_size,
                                     capture_kind=KV_F32)
         self._pool_key: tuple | None = None
+        self._rope = torch.empty(0, 2, args.head_dim)  # [positions, 2, D]: cos and signed sin, grown as asked
         self._context_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, float32 copy): _norm_copy
 
     def _keep(self, weight: torch.Tensor) -> int:
@@ -166,12 +168,15 @@ class NativeForward:
             return
         self._point_at_pool(kv_caches, backend)
         features = features.to(torch.bfloat16).contiguous()
-        cos, sin = (t.contiguous() for t in self.stack.rotary(positions, torch.float32))  # [Tc, D] each
         norm = self._norm_copy(hidden_norm)
-        slots = slot_mapping.to(torch.int64).contiguous()
-        status = self._entries.context_kv(ctypes.byref(self._decoder), self._layers, features.data_ptr(),
-                                          fc.in_features, fc._packed_address, norm.data_ptr(), rows, cos.data_ptr(),
-                                          sin.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+        slots, positions = slot_mapping.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+
+        def call() -> int:
+            return self._entries.context_kv(ctypes.byref(self._decoder), self._layers, features.data_ptr(),
+                                            fc.in_features, fc._packed_address, norm.data_ptr(), rows,
+                                            self._rope.data_ptr(), self._rope.shape[0], positions.data_ptr(),
+                                            slots.data_ptr(), torch.get_num_threads())
+        status = self._with_rope_for(positions, call)
         if status != 0:
             raise ValueError(f"native context K/V: {STATUS.get(status, f'status {status}')}")
 
@@ -226,16 +231,36 @@ class NativeForward:
         x = F.embedding(input_ids, self.stack.embed).float()  # [T, hidden]
         if self.stack.embed_scale != 1.0:
             x *= self.stack.embed_scale
-        cos, sin = (t.contiguous() for t in self.stack.rotary(positions, torch.float32))  # [T, D] each
+        positions = positions.to(torch.int64).contiguous()
         out = torch.empty_like(x)  # [T, hidden]
         captured = self._point_captures(capture_layers, wanted, capture_into, x)
-        status = self._entries.forward(ctypes.byref(self._decoder), self._layers, x.data_ptr(), out.data_ptr(), tokens,
-                            cos.data_ptr(), sin.data_ptr(), rows.page_table.data_ptr(),
-                            rows.page_table.shape[1], rows.page_table.shape[0], rows.row_start.data_ptr(),
-                            rows.row_keys.data_ptr(), rows.slot_mapping.data_ptr(), rows.threads)
+
+        def call() -> int:
+            return self._entries.forward(ctypes.byref(self._decoder), self._layers, x.data_ptr(), out.data_ptr(),
+                                         tokens, self._rope.data_ptr(), self._rope.shape[0], positions.data_ptr(),
+                                         rows.page_table.data_ptr(), rows.page_table.shape[1],
+                                         rows.page_table.shape[0], rows.row_start.data_ptr(), rows.row_keys.data_ptr(),
+                                         rows.slot_mapping.data_ptr(), rows.threads)
+        status = self._with_rope_for(positions, call)
         if status != 0:
             raise ValueError(f"native forward: {STATUS.get(status, f'status {status}')}")
         return out, captured
+
+    def _with_rope_for(self, positions: torch.Tensor, call) -> int:
+        """`call()`'s status, the rotary table grown first when a position lies past it (the C side
+        checks every position before it writes anything, so a refused call changed nothing)."""
+        status = call()
+        if status != BAD_POSITION:
+            return status
+        largest = int(positions.max())
+        if int(positions.min()) < 0:
+            return status
+        size = max(ROPE_POSITIONS_MIN, self._rope.shape[0])
+        while size <= largest:
+            size *= 2
+        cos, sin = self.stack.rotary(torch.arange(size), torch.float32)  # [size, D] each
+        self._rope = torch.stack((cos, sin), dim=1).contiguous()  # [size, 2, D]
+        return call()
 
     def _point_captures(self, capture_layers: Sequence[int], wanted: set[int] | Sequence[int],
                         capture_into: torch.Tensor | None, x: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -44,6 +44,7 @@ from common.qwen3 import (
     rope_tables,
     stack_checkpoint_parts,
 )
+from common.row_argmax import argmax_last
 from common.weights import iter_safetensors, load_config, resolve_model_path
 from draft_service.feature_head import FeatureHead, strict_state
 
@@ -487,7 +488,7 @@ class DFlashDraftModel(FeatureHead):
         drafts = hidden.view(len(context_lens), k_draft + 1, -1)[:, 1:]  # [B, K, hidden]
         logits = self.compute_logits(drafts.reshape(-1, drafts.shape[-1]))  # [B * K, V]
         logits = logits.view(len(context_lens), k_draft, -1)  # [B, K, V]
-        return DraftProposal(token_ids=logits.argmax(dim=-1), logits=logits)
+        return DraftProposal(token_ids=argmax_last(logits), logits=logits)
 
     def _forward_block_with_context(self, ids: torch.Tensor, positions: torch.Tensor, new_context: NewContext,
                                     kv_caches, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden], normed

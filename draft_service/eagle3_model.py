@@ -47,6 +47,7 @@ from common.qwen3 import (
     checkpoint_layout,
     stack_checkpoint_parts,
 )
+from common.row_argmax import argmax_last
 from common.weights import iter_safetensors, resolve_model_path
 from draft_service.feature_head import FeatureHead, strict_state
 
@@ -346,7 +347,7 @@ class Eagle3DraftModel(FeatureHead):
 
     def greedy_target_ids(self, prenorm: torch.Tensor) -> torch.Tensor:  # [N, hidden] → [N] target ids
         logits = self.lm_head(self.norm(prenorm)).float()  # [N, draft vocab]
-        return self.draft_to_target[logits.argmax(dim=-1)]
+        return self.draft_to_target[argmax_last(logits)]
 
 
 # ---------------------------------------------------------------------------------------

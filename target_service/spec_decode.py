@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from common.row_argmax import argmax_last
 from target_service.sampling import SamplingSpec, sample_from_probs, sampling_probs
 
 
@@ -63,7 +64,7 @@ def verify_tokens(
 ) -> list[int]:
     """The tokens a verify step emits for one sequence (1..K+1 of them)."""
     if spec.greedy:
-        return accept_greedy(draft, logits.argmax(dim=-1).tolist())
+        return accept_greedy(draft, argmax_last(logits).tolist())
     return rejection_sample(draft, sampling_probs(logits, spec), draft_probs, generator)
 
 
@@ -75,6 +76,6 @@ def verify_batch(
 ) -> list[list[int]]:
     """verify_tokens for a whole step: the greedy sequences share one argmax and one host copy
     (one device sync per step, not one per sequence); sampled ones go one by one."""
-    argmax = logits.argmax(dim=-1).tolist() if any(spec.greedy for spec in specs) else []  # [N]
+    argmax = argmax_last(logits).tolist() if any(spec.greedy for spec in specs) else []  # [N]
     return [accept_greedy(draft, argmax[lo:hi]) if spec.greedy else verify_tokens(draft, logits[lo:hi], spec, gen)
             for (lo, hi, draft), spec, gen in zip(spans, specs, generators, strict=True)]

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 AMX_MISSING = amx_unavailable_reason()
 pytestmark = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX products here: {AMX_MISSING}")
 PAGE_SIZE = 16
+# q rounded to bfloat16 (2^-9 relative) through two layers; 2.7-3.6e-3 measured
+TILED_TOLERANCE = 1e-2
 
 
 def _on_tiles(kernel: str, rows: int, call) -> float:
@@ -30,19 +32,48 @@ def _on_tiles(kernel: str, rows: int, call) -> float:
     return 1e-6 if kernel == "amx" else 2e-6  # seconds: the AMX kernel "measures" faster
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = make_qwen3(tmp_path_factory.mktemp("native-forward") / "m")
+def _packed_model(path):
     model = Qwen3ForCausalLM.from_pretrained(path, torch.bfloat16, "cpu")
     pack_cpu_linears(model, log, timer=_on_tiles)
     return model
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _packed_model(make_qwen3(tmp_path_factory.mktemp("native-forward") / "m"))
+
+
+# Head shapes whose attention over bfloat16 pages of 16 runs on AMX tiles (tile_attention.c): two
+# and four query heads a KV head, 1-4 tiles of 32 dimensions
+TILED_HEADS = {"dim64-group2": dict(head_dim=64), "dim128-group2": dict(head_dim=128),
+               "dim32-group4": dict(head_dim=32, num_key_value_heads=1), "dim64-group4": dict(head_dim=64, num_key_value_heads=1)}
+
+
+@pytest.fixture(scope="module")
+def models_by_heads(tmp_path_factory):
+    """A packed model per entry of TILED_HEADS ("dim16" for the plain tiny one), built once."""
+    built = {}
+
+    def model_for(heads: str):
+        if heads not in built:
+            path = make_qwen3(tmp_path_factory.mktemp("native-forward") / heads, **TILED_HEADS.get(heads, {}))
+            built[heads] = _packed_model(path)
+        return built[heads]
+    return model_for
+
+
+@pytest.fixture(params=list(TILED_HEADS))
+def tiled_model(request, models_by_heads):
+    return models_by_heads(request.param)
+
+
 class Pool:
     """Every layer's pages, the invariant native backend, and steps run through a forward."""
 
-    def __init__(self, model, kv_dtype: str = "bfloat16", order: str = "NHD", num_pages: int = 64) -> None:
-        self.layout = build_layout(order=order, page_size=PAGE_SIZE, kv_dtype=kv_dtype, num_pages=num_pages,
+    def __init__(self, model, kv_dtype: str = "bfloat16", order: str = "NHD", num_pages: int = 64,
+                 page_size: int = PAGE_SIZE) -> None:
+        self.page_size = page_size
+        self.layout = build_layout(order=order, page_size=page_size, kv_dtype=kv_dtype, num_pages=num_pages,
                                    layers=model.kv_layer_specs())
         self.caches = [torch.zeros(self.layout.region_shape(spec), dtype=self.layout.torch_dtype)
                        for spec in self.layout.layers]
@@ -51,7 +82,7 @@ class Pool:
     def step(self, forward, ids: list[int], query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
              capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
-                                       page_size=PAGE_SIZE, device=torch.device("cpu"))
+                                       page_size=self.page_size, device=torch.device("cpu"))
         positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
         self.backend.plan(meta)
         with torch.inference_mode():
@@ -81,8 +112,27 @@ def test_the_native_forward_computes_what_the_torch_forward_does(model, order, k
         assert (logits_got.argmax(-1) == logits_expected.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.fixture
-def rows_four_ways(model):
+def test_attention_on_tiles_computes_what_the_vector_kernel_does(tiled_model):
+    """The same steps over pages of 16 (scores on AMX tiles) and of 8 (the vector kernel, which
+    keeps q in float32): the same hidden states up to q's rounding to bfloat16, and the same
+    greedy tokens but for near-ties. Two sequences' prefills, then a verify of 9 beside a decode."""
+    native = NativeForward(decoder_stack(tiled_model))
+    tiled, vector = Pool(tiled_model), Pool(tiled_model, page_size=8)
+    a, b = _tokens(40, 1), _tokens(20, 2)
+    steps = [(a + b, [40, 20], [40, 20]), (_tokens(9, 3) + _tokens(1, 4), [9, 1], [49, 21])]
+    for ids, query_lens, seq_lens in steps:
+        got, _ = tiled.step(native, ids, query_lens, seq_lens, [[1, 2, 3, 4], [5, 6]])
+        expected, _ = vector.step(native, ids, query_lens, seq_lens, [list(range(1, 8)), list(range(8, 12))])
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        log.info("tiled against vector attention: largest difference %.2e of the largest value", error)
+        assert error < TILED_TOLERANCE
+        logits_got, logits_expected = tiled_model.compute_logits(got), tiled_model.compute_logits(expected)
+        assert (logits_got.argmax(-1) == logits_expected.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.fixture(params=["dim16-group2", *TILED_HEADS])
+def rows_four_ways(request, models_by_heads):
+    model = models_by_heads(request.param)
     native = NativeForward(decoder_stack(model))
     tokens, other = _tokens(49, 5), _tokens(25, 6)
     table, other_table = [1, 2, 3, 4], [5, 6]
@@ -218,3 +268,26 @@ def test_dflash_context_and_block_in_native_calls_compute_what_torch_does(spec_m
         assert scale > 0 and ((native.float() - eager.float()).abs().max() / scale) < 0.05
     scale = eager_logits.abs().max()
     assert ((native_logits - eager_logits).abs().max() / scale) < 0.05
+
+
+def test_positions_past_the_rotary_table_grow_it_and_negative_ones_are_refused(model):
+    """The rotary table starts empty and doubles past the largest position asked: a token at position
+    2,500 gets the rotation the torch forward gives it. A negative position is refused before
+    anything is written."""
+    native, native_pool, torch_pool = NativeForward(decoder_stack(model)), Pool(model), Pool(model)
+    meta = AttentionMetadata.build(query_lens=[1], seq_lens=[1], page_tables=[[1]], page_size=PAGE_SIZE,
+                                   device=torch.device("cpu"))
+    ids = torch.tensor(_tokens(1, 9))
+    with torch.inference_mode():
+        for pool, forward in ((native_pool, native), (torch_pool, model)):
+            pool.backend.plan(meta)
+            hidden, _ = forward(ids, torch.tensor([2500]), meta, pool.caches, pool.backend)
+            pool.hidden = hidden
+        assert native._rope.shape[0] == 4096
+        scale = torch_pool.hidden.float().abs().max()
+        assert ((native_pool.hidden - torch_pool.hidden.float()).abs().max() / scale) < 0.05
+        before = [c.clone() for c in native_pool.caches]
+        native_pool.backend.plan(meta)
+        with pytest.raises(ValueError, match="a position outside the rotary table"):
+            native(ids, torch.tensor([-1]), meta, native_pool.caches, native_pool.backend)
+        assert all(torch.equal(a, b) for a, b in zip(before, native_pool.caches))

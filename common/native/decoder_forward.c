@@ -14,7 +14,7 @@
 #include <math.h>
 
 // statuses: the attention's own (1-4), these, and an AMX product's offset by AMX_STATUS
-enum { FWD_OK = 0, FWD_BAD_SLOT = 11, FWD_NO_MEMORY = 13, FWD_NO_AMX = 15, FWD_BAD_SHAPE = 16, AMX_STATUS = 20 };
+enum { FWD_OK = 0, FWD_BAD_SLOT = 11, FWD_BAD_POSITION = 12, FWD_NO_MEMORY = 13, FWD_NO_AMX = 15, FWD_BAD_SHAPE = 16, AMX_STATUS = 20 };
 
 #define PRODUCT(...)                              \
     do {                                          \
@@ -49,6 +49,19 @@ static inline uint16_t round_to_bf16(float value) {  // nearest even, as torch r
     return (uint16_t)(bits >> 16);
 }
 
+// out[i] = bf16(x[i]): 16 at a time where the CPU converts (the same nearest-even rounding, but
+// for float32 denormals, which the instruction flushes to zero; a product's inputs only).
+static inline void floats_to_bf16(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#if HAVE_AMX
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) out[i] = round_to_bf16(x[i]);
+}
+
+#include "tile_attention.c"
+
 static inline float rms_scale(const float *x, int64_t n, float eps) {
     float sum = 0.0f;
     for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
@@ -62,13 +75,16 @@ static void norm_rows_to_bf16(const float *x, const float *weight, uint16_t *out
     for (int64_t t = 0; t < rows; t++) {
         const float *row = x + t * n;
         const float scale = rms_scale(row, n, eps);
-        for (int64_t i = 0; i < n; i++) out[t * n + i] = round_to_bf16(row[i] * scale * weight[i]);
+        float normed[n];
+        for (int64_t i = 0; i < n; i++) normed[i] = row[i] * scale * weight[i];
+        floats_to_bf16(normed, out + t * n, n);
     }
 }
 
 static void rows_to_bf16(const float *x, uint16_t *out, int64_t count, int threads) {
+    const int64_t chunk = 4096;
 #pragma omp parallel for num_threads(threads) if (count >= 65536) schedule(static)
-    for (int64_t i = 0; i < count; i++) out[i] = round_to_bf16(x[i]);
+    for (int64_t i = 0; i < count; i += chunk) floats_to_bf16(x + i, out + i, count - i < chunk ? count - i : chunk);
 }
 
 static void add_rows(float *x, const float *delta, int64_t count, int threads) {
@@ -83,7 +99,7 @@ static void silu_mul_rows(const float *gate_up, uint16_t *out, int64_t rows, int
         const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
         float silu[inter];
         for (int64_t i = 0; i < inter; i++) silu[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
-        for (int64_t i = 0; i < inter; i++) out[t * inter + i] = round_to_bf16(silu[i]);
+        floats_to_bf16(silu, out + t * inter, inter);
     }
 }
 
@@ -115,14 +131,15 @@ static void store_vector(uint8_t *at, const float *v, int64_t dim, int32_t kind)
 // From the qkv product [T, (Hq + 2 Hkv) D]: q normed and rotated into q_out [T, Hq, D]; k normed,
 // rotated and v stored in the pages at each row's slot.
 static void queries_and_kv(const Decoder *d, const DecoderLayer *layer, const float *qkv, float *q_out,
-                           const float *cos, const float *sin, const int64_t *slots, int64_t rows, int threads) {
+                           const float *rope, const int64_t *positions, const int64_t *slots, int64_t rows,
+                           int threads) {
     const int64_t dim = d->head_dim, heads = d->q_heads + d->kv_heads;
     const int64_t width = (d->q_heads + 2 * d->kv_heads) * dim;
 #pragma omp parallel for num_threads(threads) if (rows * heads >= 16) schedule(static)
     for (int64_t item = 0; item < rows * heads; item++) {
         const int64_t t = item / heads, h = item % heads;
         const float *row = qkv + t * width;
-        const float *row_cos = cos + t * dim, *row_sin = sin + t * dim;
+        const float *row_cos = rope + positions[t] * 2 * dim, *row_sin = row_cos + dim;
         if (h < d->q_heads) {
             norm_and_rotate(row + h * dim, layer->q_norm, d->eps, row_cos, row_sin, q_out + (t * d->q_heads + h) * dim,
                             dim);
@@ -161,13 +178,14 @@ static void norm_rows(const float *x, const float *weight, float *out, int64_t r
 
 // x [T, hidden] float32: the embedded tokens in, the residual stream through the layers (changed
 // in place); out [T, hidden]: after the final norm (also the last layer's capture, as Hugging
-// Face reports it). cos/sin [T, head_dim] (sin signed, see norm_and_rotate). Sequence b owns rows
+// Face reports it). rope [rope_positions, 2, head_dim]: each position's cos and signed sin (see
+// norm_and_rotate); row t is at positions[t]. Sequence b owns rows
 // row_start[b] .. row_start[b+1]-1 and pages page_table[b, :table_len]; row t sees its sequence's
 // first row_keys[t] keys and writes its K/V at slots[t].
 int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, float *x, float *out, int64_t rows,
-                              const float *cos, const float *sin, const int32_t *page_table, int64_t table_len,
-                              int64_t num_seqs, const int32_t *row_start, const int32_t *row_keys, const int64_t *slots,
-                              int threads) {
+                              const float *rope, int64_t rope_positions, const int64_t *positions,
+                              const int32_t *page_table, int64_t table_len, int64_t num_seqs, const int32_t *row_start,
+                              const int32_t *row_keys, const int64_t *slots, int threads) {
     if (!HAVE_AMX) return FWD_NO_AMX;
     if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16) ||
         d->kv_heads < 1 || d->q_heads % d->kv_heads || (d->capture_kind != KV_F32 && d->capture_kind != KV_BF16) ||
@@ -175,6 +193,8 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
         return FWD_BAD_SHAPE;
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= rope_positions) return FWD_BAD_POSITION;
     // every page the attention will read, checked before the first write: a refused step changes nothing
     const Pool pool = {NULL, 0, 0, 0, 0, d->num_pages, d->page_size};
     const int32_t most = checked_sequences(&pool, page_table, table_len, num_seqs, row_start, row_keys, rows);
@@ -190,18 +210,26 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     float *queries = malloc(sizeof(float) * (size_t)(rows * q_width));
     float *attended = malloc(sizeof(float) * (size_t)(rows * q_width));
     float *delta = malloc(sizeof(float) * (size_t)(rows * hidden));
+    const int tiles = tile_attention_fits(d);
+    const int64_t scratch_floats = tiles ? tile_attention_scratch(d, most) : 0;
+    float *scratch = tiles ? malloc(sizeof(float) * (size_t)(threads * scratch_floats)) : NULL;
     int status = FWD_OK;
-    if (!product_in || !product_out || !queries || !attended || !delta) status = FWD_NO_MEMORY;
+    if (!product_in || !product_out || !queries || !attended || !delta || (tiles && !scratch)) status = FWD_NO_MEMORY;
     for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
         const DecoderLayer *layer = layers + i;
         norm_rows_to_bf16(x, layer->input_norm, product_in, rows, hidden, d->eps, threads);
         PRODUCT(product_in, rows, hidden, layer->qkv, qkv_width, product_out, 1, threads);
         if (status != FWD_OK) break;
-        queries_and_kv(d, layer, product_out, queries, cos, sin, slots, rows, threads);
-        status = splitspec_paged_attention(queries, attended, layer->kv, d->page_stride, d->plane_stride,
-                                           d->token_stride, d->head_stride, d->num_pages, d->page_size, d->kv_kind,
-                                           NULL, NULL, page_table, table_len, num_seqs, row_start, row_keys, rows,
-                                           (int)d->q_heads, (int)d->kv_heads, (int)dim, d->scale, threads);
+        queries_and_kv(d, layer, product_out, queries, rope, positions, slots, rows, threads);
+        if (tiles)
+            tile_attention(d, layer->kv, queries, attended, page_table, table_len, num_seqs, row_start, row_keys,
+                           scratch, scratch_floats, threads);
+        else
+            status = splitspec_paged_attention(queries, attended, layer->kv, d->page_stride, d->plane_stride,
+                                               d->token_stride, d->head_stride, d->num_pages, d->page_size,
+                                               d->kv_kind, NULL, NULL, page_table, table_len, num_seqs, row_start,
+                                               row_keys, rows, (int)d->q_heads, (int)d->kv_heads, (int)dim, d->scale,
+                                               threads);
         if (status != FWD_OK) break;
         rows_to_bf16(attended, product_in, rows * q_width, threads);
         PRODUCT(product_in, rows, q_width, layer->o, hidden, delta, 1, threads);
@@ -226,6 +254,7 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     free(queries);
     free(attended);
     free(delta);
+    free(scratch);
     return status;
 }
 
@@ -234,13 +263,15 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
 // written at slots[t]. (The q part of each stacked product is computed and dropped: on tiles
 // it costs next to nothing.)
 int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uint16_t *features, int64_t width,
-                         const uint16_t *fc, const float *hidden_norm, int64_t rows, const float *cos,
-                         const float *sin, const int64_t *slots, int threads) {
+                         const uint16_t *fc, const float *hidden_norm, int64_t rows, const float *rope,
+                         int64_t rope_positions, const int64_t *positions, const int64_t *slots, int threads) {
     if (!HAVE_AMX) return FWD_NO_AMX;
     if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16))
         return FWD_BAD_SHAPE;
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= rope_positions) return FWD_BAD_POSITION;
     threads = threads > 0 ? threads : 1;
     const int64_t hidden = d->hidden, q_width = d->q_heads * d->head_dim;
     const int64_t qkv_width = (d->q_heads + 2 * d->kv_heads) * d->head_dim;
@@ -254,7 +285,7 @@ int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uin
     if (status == FWD_OK) norm_rows_to_bf16(projected, hidden_norm, context, rows, hidden, d->eps, threads);
     for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
         PRODUCT(context, rows, hidden, layers[i].qkv, qkv_width, product_out, 1, threads);
-        if (status == FWD_OK) queries_and_kv(d, layers + i, product_out, queries, cos, sin, slots, rows, threads);
+        if (status == FWD_OK) queries_and_kv(d, layers + i, product_out, queries, rope, positions, slots, rows, threads);
     }
     free(projected);
     free(context);

@@ -19,6 +19,7 @@ from common.compiled_forward import CompileConfig, CompiledForward, decoder_stac
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
 from common.qwen3 import Qwen3ForCausalLM
+from common.row_argmax import argmax_last
 from draft_service.drafters.base import DraftSequence, PooledDrafter, ProposeItem
 
 log = logging.getLogger(__name__)
@@ -115,4 +116,4 @@ class DraftModelDrafter(PooledDrafter):
         caches = self._kv_caches if kv_caches is None else kv_caches
         hidden, _ = self.compiled(input_ids, pos, meta, caches, self._backend)  # [T, hidden]
         last_rows = meta.query_start_loc[1:].long() - 1  # [B]
-        return self.model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()  # [B]
+        return argmax_last(self.model.compute_logits(hidden[last_rows])).tolist()  # [B]
