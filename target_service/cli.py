@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--propose-transport", default="auto", choices=PROPOSE_TRANSPORTS,
                       help="auto: Propose over a channel in the KV pool's shm file where both services map it "
                            "(a CPU pool and a drafter that reads pages), else gRPC; grpc: always gRPC")
+    spec.add_argument("--staging-rows", type=positive_int, default=None, metavar="N",
+                      help="hidden-state rows a DFlash or EAGLE-3 drafter may be sent late (at least "
+                           "--max-num-batched-tokens; default: 16 steps' tokens within 64 MiB)")
     spec.add_argument("--drafter-timeout-s", type=float, default=defaults.PROPOSE_TIMEOUT_S,
                       help="per-step Propose deadline")
     spec.add_argument("--drafter-startup-wait-s", type=float, default=30.0,
@@ -146,6 +149,7 @@ def serve_config(args: argparse.Namespace):
         drafter_timeout_s=args.drafter_timeout_s,
         drafter_startup_wait_s=args.drafter_startup_wait_s,
         speculative_disable_batch_size=args.speculative_disable_by_batch_size,
+        staging_rows=args.staging_rows,
         speculative_policy=args.speculative_policy,
         propose_transport=args.propose_transport,
         threads=args.threads,

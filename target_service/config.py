@@ -43,6 +43,10 @@ class EngineConfig:
     threads: int | None = None  # torch CPU threads of the engine thread; None → torch's default
     compile: CompileConfig = field(default_factory=CompileConfig)  # which step shapes run compiled
     native_forward: bool = True  # every step in one native call where the model allows (common/native_forward.py)
+    # Hidden-state rows a drafter that reads them (DFlash, EAGLE-3) may be sent late: rows of steps
+    # that ask no drafts are held there until a Propose asks, and a sequence that ends first costs
+    # the drafter nothing. None: pool_planning.staging_rows (16 steps' budget, within 64 MiB).
+    staging_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.drafter and not self.internal_token:
@@ -66,6 +70,9 @@ class EngineConfig:
         for name in ("max_model_len", "speculative_disable_batch_size", "threads"):  # None: unset
             if (value := getattr(self, name)) is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.staging_rows is not None and self.staging_rows < self.max_num_batched_tokens:
+            raise ValueError(f"staging_rows must hold one step's tokens (max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens}), got {self.staging_rows}")
         check_backend_name(self.attention_backend)
 
     def torch_device(self) -> torch.device:

@@ -87,10 +87,15 @@ class AcceptanceEstimate:
     """p_j per draft position from discounted counts, with how sure each one is.
 
     A verified sequence adds a trial at positions 1..accepted+1 (hits at the accepted, a miss
-    at the first rejected; later positions were not tried). Every decision discounts all
-    counts by 1 − 1/`window`, so old evidence fades and doubt returns. A position's estimate
-    is shrunk toward the pooled rate by `strength` pseudo-trials (the pooled rate toward
-    `prior`); `optimistic()` adds `z` standard errors: what a probe tests."""
+    at the first rejected; later positions were not tried). Every decision discounts the
+    evidence by 1 − 1/`window`, so old evidence fades and doubt returns: while drafts are
+    verified, the counts themselves; while none are (no drafts pay), only the confidence in
+    them (`optimistic()` widens, the estimates stay where the last evidence left them), folded
+    into the counts when evidence comes again. Estimates that drifted back to the prior with
+    nothing tried made the policy draft a whole batch again on no evidence; a probe is how one
+    sequence tests the doubt. A position's estimate is shrunk toward the pooled rate by
+    `strength` pseudo-trials (the pooled rate toward `prior`); `optimistic()` adds `z`
+    standard errors: what a probe tests."""
 
     max_k: int
     window: float = 256.0  # decisions for a count to fade to 1/e
@@ -99,6 +104,8 @@ class AcceptanceEstimate:
     z: float = 1.0
     _hits: list[float] = field(default_factory=list)
     _trials: list[float] = field(default_factory=list)
+    _confidence: float = 1.0  # the faded weight of the counts since the last evidence
+    _observed: bool = False  # evidence came since the last decision
 
     def __post_init__(self) -> None:
         if self.window < 1 or not 0.0 <= self.prior <= 1.0 or self.strength <= 0:
@@ -109,20 +116,35 @@ class AcceptanceEstimate:
     def reset(self) -> None:
         self._hits = [0.0] * self.max_k
         self._trials = [0.0] * self.max_k
+        self._confidence, self._observed = 1.0, False
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
+        if self._confidence < 1.0:  # the doubt accrued while nothing was tried weighs the old counts now
+            self._scale(self._confidence)
+            self._confidence = 1.0
+        self._observed = True
         for j in range(min(num_accepted + 1, num_draft, self.max_k)):
             self._trials[j] += 1.0
             self._hits[j] += 1.0 if j < num_accepted else 0.0
 
-    def age(self, decisions: int = 1) -> None:
-        keep = (1.0 - 1.0 / self.window) ** decisions
+    def age(self, decisions: int = 1, idle_window: float | None = None) -> None:
+        """`decisions` more made; without evidence since the last, the confidence fades over
+        `idle_window` decisions instead of `window` when that is longer (the policy passes its
+        gap between probes: doubt grows no faster than probes may test it)."""
+        if self._observed:
+            self._scale((1.0 - 1.0 / self.window) ** decisions)
+            self._observed = False
+        else:
+            window = max(self.window, idle_window or 0.0)
+            self._confidence *= (1.0 - 1.0 / window) ** decisions
+
+    def _scale(self, keep: float) -> None:
         self._hits = [h * keep for h in self._hits]
         self._trials = [t * keep for t in self._trials]
 
     def trials(self, position: int) -> float:
-        """Discounted trials at draft position `position` (1-based)."""
-        return self._trials[position - 1]
+        """Discounted trials at draft position `position` (1-based), doubt included."""
+        return self._trials[position - 1] * self._confidence
 
     @property
     def values(self) -> list[float]:
@@ -131,8 +153,8 @@ class AcceptanceEstimate:
 
     def optimistic(self) -> list[float]:
         """Each p_j plus `z` standard errors (the widest a Bernoulli can have, 0.5/√n, so that a
-        position observed only rejecting, p ≈ 0, still carries its doubt)."""
-        return [min(1.0, p + self.z * 0.5 / math.sqrt(t + self.strength))
+        position observed only rejecting, p ≈ 0, still carries its doubt) of its discounted trials."""
+        return [min(1.0, p + self.z * 0.5 / math.sqrt(t * self._confidence + self.strength))
                 for p, t in zip(self.values, self._trials)]
 
 
@@ -306,28 +328,41 @@ class DraftPolicy:
     catch_up_alpha: float = 0.3
     catch_up_per_row: float | None = None  # seconds, an EWMA (`catch_up_alpha`) over catching-up Proposes
     recheck_every: int = 8  # while no drafts pay, steps of the same batch that keep k = 0 before deciding again
+    probe_budget: float = 0.01  # while no drafts pay, the share of time probes may cost (stretches the gap)
     _since_probe: int = 0
     _probe_gap: int = 0  # decisions from one probe to the next (0: not started, probe_every)
     _idle_batch: object = None  # the batch the last k = 0 decision was made for (the caller's description)
     _idle_left: int = 0  # steps that may still keep it (`keeps_no_drafts`)
     _ages_owed: int = 0  # decisions kept without deciding: the acceptance counts age by them at the next
     _probe_declined: bool = False  # the last decision had a probe due and found none worth asking
+    _last_k: int | None = None  # the last decision's k (None: none made yet)
+    _probe_seconds: float = 0.0  # what the last probe's Propose took (`record_probe`)
 
     def __post_init__(self) -> None:
         if (self.max_k < 0 or not 1 <= self.probe_every <= self.max_probe_every or self.min_gain < 0
-                or self.catch_up_horizon < 1 or not 0 < self.catch_up_alpha <= 1 or self.recheck_every < 0):
+                or self.catch_up_horizon < 1 or not 0 < self.catch_up_alpha <= 1 or self.recheck_every < 0
+                or not 0 < self.probe_budget <= 1):
             raise ValueError(f"max_k must be >= 0, 1 <= probe_every <= max_probe_every, min_gain >= 0, "
-                             f"catch_up_horizon >= 1, 0 < catch_up_alpha <= 1 and recheck_every >= 0, got {self.max_k}, "
-                             f"{self.probe_every}, {self.max_probe_every}, {self.min_gain}, {self.catch_up_horizon}, "
-                             f"{self.catch_up_alpha}, {self.recheck_every}")
+                             f"catch_up_horizon >= 1, 0 < catch_up_alpha <= 1, recheck_every >= 0 and "
+                             f"0 < probe_budget <= 1, got {self.max_k}, {self.probe_every}, {self.max_probe_every}, "
+                             f"{self.min_gain}, {self.catch_up_horizon}, {self.catch_up_alpha}, {self.recheck_every}, "
+                             f"{self.probe_budget}")
         self.acceptance = AcceptanceEstimate(self.max_k)
 
     def new_epoch(self) -> None:
         """A new drafter (or the same one re-attached): its acceptance is learnt afresh."""
         self.acceptance.reset()
         self._idle_left = self._ages_owed = 0
+        self._last_k = None
         self.propose.clear()
         self.catch_up_per_row = None
+
+    @property
+    def idle(self) -> bool:
+        """No drafts pay: the last decision asked none, and so did a probe since (the gap between
+        probes has grown past `probe_every`, which it does only while probes find nothing), or
+        even the optimistic view found no probe worth asking."""
+        return self.adaptive and self._last_k == 0 and (self._probe_gap > self.probe_every or self._probe_declined)
 
     def keeps_no_drafts(self, batch: object) -> bool:
         """Whether this step keeps the last decision's k = 0 without deciding again (it counts as a
@@ -357,10 +392,12 @@ class DraftPolicy:
             raise ValueError(f"max_k {max_k} exceeds the policy's K {self.max_k}: the caller bounds k")
         self._idle_left = 0
         if not self.adaptive or max_k <= 0:
-            return Decision(max(max_k, 0))
-        self.acceptance.age(1 + self._ages_owed)
+            self._last_k = max(max_k, 0)
+            return Decision(self._last_k)
+        self.acceptance.age(1 + self._ages_owed, idle_window=self._probe_gap)
         self._ages_owed = 0
         decision = self._decide(num_seqs, base_tokens, max_k, catch_up_rows, batch_seqs)
+        self._last_k = decision.k
         if decision == Decision(0) and batch is not None:
             self._idle_batch, self._idle_left = batch, self.recheck_every
         return decision
@@ -391,8 +428,18 @@ class DraftPolicy:
             probe_k = k + 1
         self._since_probe = 0
         gap = self._probe_gap or self.probe_every
-        self._probe_gap = min(2 * gap, self.max_probe_every) if k == 0 else self.probe_every
+        self._probe_gap = min(2 * gap, self._longest_probe_gap(forward.estimate(base_tokens))) if k == 0 \
+            else self.probe_every
         return Decision(k, probe_k)
+
+    def _longest_probe_gap(self, step_seconds: float) -> int:
+        """While no drafts pay, probes are spaced at most `max_probe_every` decisions apart, or as far
+        as keeps their cost within `probe_budget` of the time: a probe's Propose catches the drafter
+        up on its sequence's whole context, which a drafter that has slept a while computes slowly
+        (on a 2-core Xeon: 3-9 ms, ten decode steps)."""
+        if step_seconds <= 0:
+            return self.max_probe_every
+        return max(self.max_probe_every, math.ceil(self._probe_seconds / (self.probe_budget * step_seconds)))
 
     def _best_k(self, forward: CostTable, acceptance: list[float], num_seqs: int, base_tokens: int, max_k: int,
                 catch_up_seconds: float) -> int:
@@ -409,6 +456,7 @@ class DraftPolicy:
         self.new_epoch()
         self.forward.clear()
         self._since_probe = self._probe_gap = 0
+        self._probe_seconds = 0.0
 
     def record_forward(self, num_seqs: int, query_tokens: int, seconds: float) -> None:
         """A decode or verify forward of `num_seqs` sequences and `query_tokens` tokens in all."""
@@ -427,6 +475,11 @@ class DraftPolicy:
         per_row = max(0.0, seconds - steady) / rows
         old = self.catch_up_per_row
         self.catch_up_per_row = per_row if old is None else old + self.catch_up_alpha * (per_row - old)
+
+    def record_probe(self, seconds: float) -> None:
+        """What a probing step's Propose took, its catch-up included (`_longest_probe_gap`)."""
+        if seconds >= 0:
+            self._probe_seconds = seconds
 
     def record_verify(self, num_draft: int, num_accepted: int) -> None:
         self.acceptance.observe(num_draft, num_accepted)

@@ -115,13 +115,14 @@ class EngineCore:
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """The cached pages a waiting sequence starts from: all of them, except that a drafter
         which reads the target's hidden states (DFlash) can follow the sequence only from pages
-        its own layers are written in, so past those the target computes the tokens again; and
-        a sequence that still owes its prompt's logprobs computes its prompt (as vLLM: only a
-        forward over a prompt token gives the logprob of the next one)."""
+        its own layers are written in, so past those the target computes the tokens again (while
+        drafts pay: else the sequence takes them all and goes unfollowed); and a sequence that
+        still owes its prompt's logprobs computes its prompt (as vLLM: only a forward over a
+        prompt token gives the logprob of the next one)."""
         if seq.request.logprobs.prompt and seq.index == 0 and seq.prompt_logprobs_done < seq.num_prompt_tokens:
             return PrefixHit()
         hit = self.page_manager.find_prefix(seq, self.speculator.pages_epoch())
-        if self.speculator.needs_hidden_states(seq):
+        if self.speculator.needs_hidden_states(seq) and self.speculator.follows_for_drafts():
             return hit.truncated(hit.drafter_valid_pages)
         return hit
 
@@ -193,7 +194,8 @@ class EngineCore:
         started = time.perf_counter()
         result = self.runner.execute(plan.scheduled, verified, [t.sampling for t in tracked],
                                      [t.grammar for t in tracked],  # host lists: the device is done
-                                     staging_row=self.speculator.staging_row())
+                                     staging_row=self.speculator.staging_row()
+                                     if self.speculator.reads_hidden_states(plan.scheduled) else None)
         seconds = time.perf_counter() - started
         emitted, row_starts = result.tokens, result.row_starts
         self._gather_prompt_logprobs(plan.scheduled, result.prompt_logprobs)

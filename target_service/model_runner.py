@@ -112,24 +112,26 @@ class ModelRunner:
         drafts: dict[int, list[int]],
         sampling: list[SequenceSampling],  # one per sampling sequence (`ScheduledSeq.samples`), in order
         grammars: list[SequenceGrammar | None] | None = None,  # structured output, per sampling sequence
-        staging_row: int = 0,  # where this step's hidden states go in the staging rows (rows before it are held)
+        staging_row: int | None = 0,  # where this step's hidden states go in the staging rows (rows before
+                                      # it are held); None: nobody reads them, none are captured
     ) -> StepResult:
         """One step (prefill chunks, decodes and verifies together): each sampling sequence's
         rows are shaped (its `LogitsShaper`) and masked to what its grammar allows (drafts the
         grammar forbids cut there), then verified or sampled. Logprobs read the raw rows."""
         inputs = self.build_inputs(scheduled, drafts)
         self.backend.plan(inputs.meta)
-        staged = self._staging_rows(staging_row, inputs.meta.num_tokens)
+        staged = self._staging_rows(staging_row, inputs.meta.num_tokens) if staging_row is not None else None
+        capture = self.capture_layers if staged is not None else ()
         if self.native_forward is not None and self._capture_direct:
             hidden, _ = self.native_forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches,
-                                            self.backend, capture_layers=self.capture_layers,
+                                            self.backend, capture_layers=capture,
                                             capture_into=staged)  # [T, hidden]; captures written into `staged`
         else:
             forward = self.native_forward or self.forward
             hidden, captured = forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend,
-                                       capture_layers=self.capture_layers)  # [T, hidden]
+                                       capture_layers=capture)  # [T, hidden]
             self._stage_hidden(captured, staged)
-        row_starts = [staging_row + row for row in inputs.row_starts]
+        row_starts = [(staging_row or 0) + row for row in inputs.row_starts]
         prompt = self._prompt_logprobs(scheduled, inputs, hidden)
         rows, spans = self._logit_rows(scheduled, drafts, inputs)
         if not spans:  # a step of prefill chunks only: no logits are read

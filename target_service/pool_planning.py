@@ -45,6 +45,20 @@ def plan_num_pages(cache: CacheConfig, per_page: int, device: torch.device, max_
     return max(1, min(budget // per_page, useful))
 
 
+STAGING_STEPS = 16  # the automatic staging buffer holds this many full steps' rows ...
+STAGING_BYTES = 64 << 20  # ... within this many bytes, and never fewer than one step's
+
+
+def staging_rows(max_num_batched_tokens: int, row_bytes: int) -> int:
+    """The staging buffer's rows when not configured. Rows of steps that ask no drafts wait there
+    until a Propose asks (the drafter computes a sequence's context only if it drafts, so one that
+    ends first costs it nothing), and a full buffer forces a Propose that only catches the
+    drafter up; one step's budget (the former size) filled within a few prompts at concurrency 16
+    (docs/performance.md). 16 steps' rows are 19 MB for the demo target, 201 MB for three captured
+    layers of a 4,096-wide model in bfloat16, hence the byte cap."""
+    return max(max_num_batched_tokens, min(STAGING_STEPS * max_num_batched_tokens, STAGING_BYTES // row_bytes))
+
+
 def choose_backend(config: EngineConfig, model, device: torch.device, batch_invariant: bool = False) -> type:
     """The attention backend class for this model, KV dtype and device (once, at start)."""
     model_dtype = next(model.parameters()).dtype
@@ -83,7 +97,9 @@ class PoolPlanner:
             if len(layer_ids) > most or not all(0 <= i < model.num_layers for i in layer_ids):
                 raise ValueError(f"the drafter asks for the hidden states of target layers {list(layer_ids)[:16]}: "
                                  f"at most {most} of the layers 0..{model.num_layers - 1}")
-            staging = StagingSpec(rows=config.max_num_batched_tokens, width=len(layer_ids) * model.hidden_size,
+            width = len(layer_ids) * model.hidden_size
+            rows = config.staging_rows or staging_rows(config.max_num_batched_tokens, width * model_dtype.itemsize)
+            staging = StagingSpec(rows=rows, width=width,
                                   dtype=str(model_dtype).removeprefix("torch."), layer_ids=tuple(layer_ids))
         num_pages = plan_num_pages(cache, bytes_per_page(cache.page_size, kv_dtype, specs), self.device,
                                    config.max_num_seqs, self.max_model_len)

@@ -63,6 +63,12 @@ class NoSpeculation:
     def needs_hidden_states(self, seq: Sequence) -> bool:
         return False
 
+    def follows_for_drafts(self) -> bool:
+        return False
+
+    def reads_hidden_states(self, scheduled: list[ScheduledSeq]) -> bool:
+        return False
+
     def staging_row(self) -> int:
         return 0
 
@@ -185,6 +191,7 @@ class Speculator:
     _staged: StagedRows = field(default_factory=StagedRows)
     _probe_turn: int = 0
     _probe_seq: int | None = None
+    _probing: bool = False  # this step's drafts are a probe (lookahead): its Propose's cost is recorded
     # Per sequence, the context tokens computed since it last drafted, outside its drafting steps
     # (a prompt, steps without drafts): the drafter catches up on them when it next drafts
     _behind: dict[int, int] = field(default_factory=dict)
@@ -227,10 +234,30 @@ class Speculator:
         Row 0 while the link is down: what was held belongs to the failed epoch, and nobody reads it."""
         return self._staged.used if self.link.ready else 0
 
+    def reads_hidden_states(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the drafter will read this step's hidden states (the forward then captures them
+        into the staging rows): a drafter that reads them, and a scheduled sequence it follows or
+        may start following (in its first forward since admission, `record_step`); not for a step
+        of sequences that disabled speculation or went unfollowed (the idle split's rows 9 and 7)."""
+        if not self.link.ready or self.shared.layout.staging is None:
+            return False
+        epoch = self.epoch
+        return any(not s.seq.request.speculation.disable
+                   and (s.seq.drafter_epoch == epoch or s.seq.num_computed_tokens == s.seq.num_started_tokens)
+                   for s in scheduled)
+
     def needs_hidden_states(self, seq: Sequence) -> bool:
         """Whether the drafter, to follow `seq`, needs the target's hidden states of every token
-        its layers are not written for (DFlash): then only pages it wrote serve as a prefix."""
+        its layers are not written for (DFlash): then only pages it wrote serve as a prefix, unless
+        following does not pay (`follows_for_drafts`)."""
         return self.link.ready and self.shared.layout.staging is not None and not seq.request.speculation.disable
+
+    def follows_for_drafts(self) -> bool:
+        """Whether a new sequence is worth recomputing cached prompt pages for, so that the drafter
+        can follow it: not while the policy finds that no drafts pay (`DraftPolicy.idle`). Then a
+        prompt takes its whole prefix-cache hit and the sequence is not followed (never drafted
+        for), where recomputing it would cost every sequence in the batch and buy nothing."""
+        return not self.policy.idle
 
     def _drafter_cached_tokens(self, seq: Sequence, start: int) -> int:
         """Of `seq`'s first `start` tokens (cached, not computed by this admission), those the
@@ -258,6 +285,7 @@ class Speculator:
         receives every sequence's context, so drafting resumes as soon as the batch shrinks.
         Otherwise the policy picks one k for the step (draft_policy.py), each sequence's own
         limit (its request, the model length, max_tokens) capping it further."""
+        self._probing = False
         if self.disable_batch_size is not None and len(running) >= self.disable_batch_size:
             if self.link.ready:
                 metrics.batch_disabled_steps.inc()
@@ -288,6 +316,7 @@ class Speculator:
             # probe of the whole batch would pay a wide verify and every sequence's catch-up.
             seq_id = self._probe_sequence(limits)
             drafts[seq_id] = min(limits[seq_id], decision.probe_k)
+            self._probing = True
         return {seq_id: k for seq_id, k in drafts.items() if k > 0}
 
     def _probe_sequence(self, limits: dict[int, int]) -> int:
@@ -323,6 +352,8 @@ class Speculator:
         if not self.link.ready:
             return {}
         asks = [s for s in scheduled if s.num_lookahead_tokens and self.follows(s.seq)]
+        if not asks and self._pending and self.policy.idle and not self._staging_has_room(scheduled):
+            self._unfollow_pending()  # rather than a Propose that only catches the drafter up
         if not asks and (not self._pending and not self._released or self._may_defer(scheduled)):
             if self._pending and self.shared.layout.staging is not None:
                 self._staged.hold()
@@ -364,6 +395,8 @@ class Speculator:
                 self.policy.record_catch_up(positions, rows_behind, elapsed)
             else:
                 self.policy.record_propose(positions, elapsed)
+            if self._probing:
+                self.policy.record_probe(elapsed)
         return self._valid_drafts(reply, {s.seq.seq_id: s.num_lookahead_tokens for s in scheduled}, metrics)
 
     # --- the two calls of a step -------------------------------------------------------------
@@ -417,11 +450,32 @@ class Speculator:
         that, a context-only Propose goes now. Releases pile up at most MAX_DEFERRED_RELEASES."""
         if len(self._released) >= MAX_DEFERRED_RELEASES:
             return False
+        return self._staging_has_room(scheduled)
+
+    def _staging_has_room(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether what is held, plus this step's rows, fits the staging buffer (always, without one)."""
         staging = self.shared.layout.staging
         if staging is None:
             return True
         step_rows = sum(s.num_query_tokens for s in scheduled)  # at most what the forward adds
         return self._staged.rows_after_holding() + step_rows <= staging.rows
+
+    def _unfollow_pending(self) -> None:
+        """Stop following every sequence with context waiting to be sent: while no drafts pay
+        (`DraftPolicy.idle`), a full staging buffer would otherwise force a Propose that only
+        catches the drafter up on their contexts (at concurrency 16 on the demo pair, a step
+        in ten, each 1.4 ms). They are never drafted for; a drafter that was sent any of one's
+        context is told to release it. Sequences admitted from here on are followed."""
+        for seq_id, update in list(self._pending.items()):
+            seq = self._followed.pop(seq_id, None)
+            if seq is not None:
+                seq.drafter_epoch = None
+            if update.context_start > 0:  # the drafter holds its earlier context
+                self._released.append(seq_id)
+            self._staged.drop(seq_id)
+            self._behind.pop(seq_id, None)
+        self._pending.clear()
+        self._staged.clear()
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int],
                       metrics: TargetMetrics) -> dict[int, list[int]]:

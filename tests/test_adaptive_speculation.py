@@ -228,12 +228,21 @@ class ScriptedPolicy(DraftPolicy):
         return Decision(min(k, max_k), min(probe_k, max_k))
 
 
-def _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, budget: int, script: list[int], defer: bool):
+class IdlePolicy(ScriptedPolicy):
+    """A script of decisions made while no drafts pay (`DraftPolicy.idle`)."""
+
+    @property
+    def idle(self) -> bool:
+        return True
+
+
+def _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, budget: int, script: list[int], defer: bool,
+                 idle: bool = False):
     target, dflash = checkpoints_dflash
     core = speculative_engine(target, dflash, kind="dflash", shm=shm_dir, num_speculative_tokens=REFERENCE_DFLASH_K,
-                              max_num_batched_tokens=budget)
+                              max_num_batched_tokens=budget, staging_rows=budget)
     assert core.link.ready, core.link.detail
-    core.speculator.policy = ScriptedPolicy(REFERENCE_DFLASH_K, script)
+    core.speculator.policy = (IdlePolicy if idle else ScriptedPolicy)(REFERENCE_DFLASH_K, script)
     if not defer:  # the path before deferral: a context-only Propose at every step
         core.speculator._may_defer = lambda scheduled: False
     drafts: list[dict[int, list[int]]] = []
@@ -289,6 +298,36 @@ def test_steps_without_drafts_hold_the_hidden_states_a_dflash_drafter_reads(spec
     assert held[1] < told[1]  # fewer round trips ...
     if budget >= 128:
         assert held[1] <= steps_asking + 4  # ... at most the prefill's and those asking for drafts
+
+
+def test_while_no_drafts_pay_a_full_staging_buffer_unfollows_instead_of_catching_the_drafter_up(
+        speculative_engine, checkpoints_dflash, tmp_path):
+    """Two requests side by side past 16 staging rows, no drafts asked: while the policy finds
+    that none pay, the sequences holding rows are unfollowed (no Propose at all; the drafter is
+    told to release one it had been sent) where otherwise a context-only Propose goes at every
+    overflow. The output is the target's own either way."""
+    counts = {}
+    for idle in (True, False):
+        shm_dir = tmp_path / f"shm-{idle}"
+        shm_dir.mkdir()
+        core, drafts, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 16, [0] * 500, defer=True,
+                                       idle=idle)
+        reference = [_generate(core, prompt, speculate=False)[0] for prompt in PROMPTS[:2]]
+        before = core.link.num_proposes
+        for i, prompt in enumerate(PROMPTS[:2]):
+            core.add(EngineRequest(f"both-{i}", tuple(core.tokenizer.encode(prompt)),
+                                   stop=StopParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+        tokens: dict[str, list[int]] = {"both-0": [], "both-1": []}
+        while core.has_work():
+            for out in core.step():
+                tokens[out.request_id].extend(out.token_ids)
+        assert list(tokens.values()) == reference
+        counts[idle] = core.link.num_proposes - before
+        if idle:
+            assert not core.speculator._followed and not core.speculator._pending
+            assert not core.link._stub.host.drafter.sequences  # nothing left at the drafter
+        core.close()
+    assert counts[True] <= 1 < counts[False], counts  # at most the release of what was sent
 
 
 def test_dflash_drafts_fewer_tokens_as_the_first_of_its_whole_block(speculative_engine, checkpoints_dflash, tmp_path):

@@ -477,3 +477,70 @@ def test_the_fixed_policy_and_a_new_epoch_keep_nothing():
     assert policy.decide(1, 1, K, batch=("a",)) == Decision(0)
     policy.new_epoch()  # a new drafter: its acceptance is unknown, so decide
     assert not policy.keeps_no_drafts(("a",))
+
+
+def test_idle_once_probes_find_no_drafts_pay_and_not_after_they_pay_again():
+    """`idle` (a DFlash target then lets a prompt take its whole prefix-cache hit, unfollowed):
+    only after the last decision asked no drafts and a probe since found none worth it."""
+    policy = measured_policy(0.05 * DECODE, 0.001, probe_every=4)
+    assert not policy.idle  # nothing decided yet
+    first = policy.decide(1, 1, K)
+    assert first.k > 0 and not policy.idle
+    run(policy, 200, accepted=0)
+    assert policy.decide(1, 1, K).k == 0 and policy.idle
+    run(policy, 200, accepted=K)
+    assert policy.decide(1, 1, K).k > 0 and not policy.idle
+    fixed = measured_policy(0.05 * DECODE, 10.0, adaptive=False)
+    run(fixed, 50, accepted=0)
+    assert not fixed.idle  # a fixed policy always drafts
+
+
+def test_costly_probes_are_spaced_to_keep_within_the_probe_budget():
+    """While no drafts pay, the gap between probes doubles up to `max_probe_every`, or further when a
+    probe's Propose (its catch-up included) would otherwise cost more than `probe_budget` of the time."""
+    def probe_gaps(probe_seconds: float) -> list[int]:
+        policy = measured_policy(0.05 * DECODE, 0.001, probe_every=4)
+        policy.max_probe_every = 32
+        decisions = []
+        for _ in range(3000):
+            decision = policy.decide(1, 1, K)
+            decisions.append(decision)
+            if decision.probe_k:
+                policy.record_probe(probe_seconds)
+                policy.record_verify(decision.probe_k, 0)
+        probes = [i for i, d in enumerate(decisions) if d.probe_k]
+        return [b - a for a, b in zip(probes, probes[1:])]
+
+    assert max(probe_gaps(0.0)[-10:]) <= 40  # a cheap probe: the configured cap (a probe declined at times)
+    # a probe of 20 decode steps at a 1% budget: 2,000 decisions apart, reached by doubling
+    longest = math.ceil(20 * DECODE / (0.01 * DECODE))
+    gaps = probe_gaps(20 * DECODE)
+    assert gaps == sorted(gaps) and 32 < gaps[-1] <= longest, gaps
+    with pytest.raises(ValueError, match="0 < probe_budget <= 1"):
+        DraftPolicy(K, probe_budget=0)
+
+
+def test_without_evidence_the_estimates_stay_and_only_the_doubt_grows():
+    """Decisions without verified drafts leave p_j where the evidence left them (a policy whose
+    estimates drifted back to the prior drafted a whole batch on no evidence); the optimistic view
+    widens, more slowly over a longer idle window, and the faded weight is folded into the counts
+    when evidence comes again."""
+    est = AcceptanceEstimate(2, window=10.0)
+    for _ in range(50):
+        est.observe(num_draft=2, num_accepted=0)
+    est.age()  # the decision after the evidence discounts the counts themselves
+    values, sure = est.values, est.optimistic()
+    for _ in range(30):
+        est.age()
+    assert est.values == values and est.optimistic()[0] > sure[0] + 0.1
+    assert est.trials(1) == pytest.approx(50 * 0.9 ** 31)
+    slow = AcceptanceEstimate(2, window=10.0)
+    for _ in range(50):
+        slow.observe(num_draft=2, num_accepted=0)
+    slow.age()
+    for _ in range(30):
+        slow.age(idle_window=100.0)
+    assert slow.trials(1) == pytest.approx(50 * 0.9 * 0.99 ** 30)
+    est.observe(num_draft=2, num_accepted=2)  # evidence again: old counts at their faded weight, plus it
+    assert est.trials(1) == pytest.approx(50 * 0.9 ** 31 + 1)
+    assert est.values[0] > values[0]

@@ -3,6 +3,8 @@ bounded before it sizes anything."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from common.kv_layout import CacheConfig
 from common.native_attention import NativeCpuAttentionBackend
 from common.qwen3 import Qwen3ForCausalLM
 from target_service.config import EngineConfig
-from target_service.pool_planning import PoolPlanner
+from target_service.pool_planning import STAGING_BYTES, PoolPlanner, staging_rows
 from tests.tiny_models import make_qwen3
 
 
@@ -39,3 +41,18 @@ def test_staging_rows_hold_the_layers_asked_for_a_repeat_included(planner):
 def test_a_layer_outside_the_target_or_a_flood_of_them_is_refused_before_anything_is_sized(planner, layer_ids):
     with pytest.raises(ValueError, match="hidden states of target layers"):
         planner.plan(facts(layer_ids), "t", 1)
+
+
+def test_staging_rows_default_to_sixteen_steps_within_the_byte_cap_or_as_configured(planner):
+    """Rows of steps that ask no drafts wait in the staging buffer: by default 16 steps' tokens, at
+    most STAGING_BYTES of them but never fewer than one step's; or what the operator sets."""
+    assert staging_rows(512, 2304) == 16 * 512  # the demo target's 3 layers of 384, bfloat16
+    assert staging_rows(512, 3 * 4096 * 2) == STAGING_BYTES // (3 * 4096 * 2)
+    assert staging_rows(512, STAGING_BYTES) == 512
+    layout = planner.plan(facts((0, 1)), "t", 1)
+    row_bytes = layout.staging.width * 4  # a float32 target
+    assert layout.staging.rows == staging_rows(planner.config.max_num_batched_tokens, row_bytes)
+    configured = dataclasses.replace(planner, config=dataclasses.replace(planner.config, staging_rows=600))
+    assert configured.plan(facts((0, 1)), "t", 1).staging.rows == 600
+    with pytest.raises(ValueError, match="staging_rows must hold one step's tokens"):
+        dataclasses.replace(planner.config, staging_rows=100)

@@ -57,7 +57,7 @@ def _core(checkpoints, shm_dir, kind: str | None, *, prefix_caching: bool = True
                                           num_speculative_tokens=K, shm_dir=str(shm_dir), **model))
     config = EngineConfig(model=str(checkpoints["target"]), cache=cache, enable_prefix_caching=prefix_caching,
                           drafter="in-process", internal_token="unused", num_speculative_tokens=K,
-                          speculative_policy="fixed", **engine)
+                          **{"speculative_policy": "fixed", **engine})
     core = build_engine_core(config, drafter_stub=stub)
     assert core.link.ready, core.link.detail
     return core
@@ -253,4 +253,34 @@ def test_prefix_cache_metrics_and_state(checkpoints, tmp_path):
     assert 0 < hits < queries
     state = core.state().prefix_cache
     assert state["enabled"] and state["cached_pages"] > 0 and state["hits"] == hits
+    core.close()
+
+
+def test_dflash_takes_the_whole_hit_unfollowed_while_no_drafts_pay(checkpoints, tmp_path):
+    """While the policy finds that no drafts pay (`DraftPolicy.idle`), a DFlash target does not
+    recompute cached prompt pages its drafter never wrote: the prompt takes its whole hit, and
+    the sequence goes unfollowed (no drafts, no staged rows). Its output is the cache-off one."""
+    request = chat_requests("idle", turns=1)[0]
+    off = _core(checkpoints, tmp_path / "off", None, prefix_caching=False)
+    expected = _tokens(run_all(off, [request]))
+    off.close()
+    core = _core(checkpoints, tmp_path / "on", "dflash", speculative_policy="adaptive")
+    policy = core.speculator.policy
+    for tokens in range(1, K + 2):  # a verify costs as much per token as a decode: drafts never pay
+        policy.record_forward(1, tokens, 0.001 * tokens)
+    for width in range(1, K + 2):
+        policy.record_propose(width, 0.01)
+    for _ in range(1000):
+        if policy.idle:
+            break
+        policy.decide(1, 1, K)
+    assert policy.idle
+    cold = run_all(core, [request])
+    assert _tokens(cold) == expected
+    again = EngineRequest("idle-again", request.prompt_token_ids, request.sampling, request.stop)
+    (tokens, usage), = run_all(core, [again]).values()
+    assert tokens == expected[request.request_id]
+    assert usage.cached_tokens >= len(request.prompt_token_ids) - PAGE  # the whole hit, not the drafter's pages
+    assert usage.draft_tokens == 0
+    assert not core.speculator._pending and not core.speculator._followed
     core.close()
