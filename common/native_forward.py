@@ -70,6 +70,7 @@ ROPE_POSITIONS_MIN = 1024  # the rotary table's first size; it doubles past the 
 class _Entries:
     forward: ctypes._CFuncPtr
     context_kv: ctypes._CFuncPtr
+    to_bf16: ctypes._CFuncPtr  # the forward's float32 → bfloat16 rounding (`rounded_to_bf16`)
 
 
 @functools.cache
@@ -80,7 +81,17 @@ def _load_forward() -> _Entries:
     lib = load_library("decoder_forward")
     lib.splitspec_decoder_forward.argtypes, lib.splitspec_decoder_forward.restype = _FORWARD_ARGS, _INT
     lib.splitspec_context_kv.argtypes, lib.splitspec_context_kv.restype = _CONTEXT_ARGS, _INT
-    return _Entries(lib.splitspec_decoder_forward, lib.splitspec_context_kv)
+    lib.splitspec_floats_to_bf16.argtypes, lib.splitspec_floats_to_bf16.restype = [_P, _P, _I64], None
+    return _Entries(lib.splitspec_decoder_forward, lib.splitspec_context_kv, lib.splitspec_floats_to_bf16)
+
+
+def rounded_to_bf16(values: torch.Tensor) -> torch.Tensor:  # float32 [N] → bfloat16 [N]
+    """What the native forward rounds a float32 to, where it stores bfloat16 (product inputs,
+    captures): torch's nearest-even rounding, denormals and NaNs included (tested)."""
+    source = values.detach().float().contiguous().reshape(-1)
+    out = torch.empty(source.shape, dtype=torch.bfloat16)
+    _load_forward().to_bf16(source.data_ptr(), out.data_ptr(), source.numel())
+    return out.reshape(values.shape)
 
 
 def native_forward_problem(stack: DecoderStack, kv_dtype: torch.dtype, backend_cls: type,

@@ -14,7 +14,7 @@ from common.compiled_forward import decoder_stack
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import build_layout
 from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
-from common.native_forward import NativeForward, native_forward_problem
+from common.native_forward import NativeForward, native_forward_problem, rounded_to_bf16
 from common.native_linear import amx_unavailable_reason
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
@@ -291,3 +291,19 @@ def test_positions_past_the_rotary_table_grow_it_and_negative_ones_are_refused(m
         with pytest.raises(ValueError, match="a position outside the rotary table"):
             native(ids, torch.tensor([-1]), meta, native_pool.caches, native_pool.backend)
         assert all(torch.equal(a, b) for a, b in zip(before, native_pool.caches))
+
+
+def test_the_forwards_bfloat16_rounding_is_torchs_to_the_bit():
+    """The 16-lane rounding the forward stores bfloat16 with (product inputs, captures): torch's
+    nearest-even, ties both ways, denormals kept (the CPU's own conversion flushes them), overflow
+    to infinity, NaN kept a NaN; whole vectors and the scalar tail."""
+    special = torch.tensor([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 1e-39, -3e-40, 1e-45, 3.4e38, -3.4e38,
+                            float("inf"), float("-inf"), float("nan"), 65504.0, 1.0 / 3.0])
+    values = torch.cat([special, torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 100,
+                        torch.randn(37) * 1e-38])
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7FA00001, 0xFFC00001], dtype=torch.int64)
+    values = torch.cat([values, ties.to(torch.int32).view(torch.float32)])
+    got, expected = rounded_to_bf16(values), values.to(torch.bfloat16)
+    nan = values.isnan()  # a NaN stays a NaN (its payload is torch's business: its paths differ)
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16))

@@ -49,16 +49,28 @@ static inline uint16_t round_to_bf16(float value) {  // nearest even, as torch r
     return (uint16_t)(bits >> 16);
 }
 
-// out[i] = bf16(x[i]): 16 at a time where the CPU converts (the same nearest-even rounding, but
-// for float32 denormals, which the instruction flushes to zero; a product's inputs only).
+// out[i] = round_to_bf16(x[i]), 16 at a time in integer lanes where the CPU has AVX-512 (the same
+// bits: VCVTNEPS2BF16 would flush denormals, which torch's rounding keeps).
 static inline void floats_to_bf16(const float *x, uint16_t *out, int64_t n) {
     int64_t i = 0;
 #if HAVE_AMX
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x40);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), infinity = _mm512_set1_epi32(0x7f800000);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i bits = _mm512_loadu_si512(x + i);
+        const __m512i upper = _mm512_srli_epi32(bits, 16);
+        __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(bits, _mm512_add_epi32(half, _mm512_and_si512(upper, one))), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), infinity);
+        rounded = _mm512_mask_or_epi32(rounded, nan, upper, quiet);  // a NaN stays NaN, quieted
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(rounded));
+    }
 #endif
     for (; i < n; i++) out[i] = round_to_bf16(x[i]);
 }
+
+// floats_to_bf16 as an entry point: tests hold it to torch's rounding.
+void splitspec_floats_to_bf16(const float *x, uint16_t *out, int64_t n) { floats_to_bf16(x, out, n); }
 
 #include "tile_attention.c"
 
@@ -163,8 +175,7 @@ static void store_capture(const Decoder *d, void *capture, const float *x, int64
         if (d->capture_kind == KV_F32) {
             memcpy((float *)capture + t * d->capture_stride, x + t * hidden, sizeof(float) * (size_t)hidden);
         } else {
-            uint16_t *row = (uint16_t *)capture + t * d->capture_stride;
-            for (int64_t i = 0; i < hidden; i++) row[i] = round_to_bf16(x[t * hidden + i]);
+            floats_to_bf16(x + t * hidden, (uint16_t *)capture + t * d->capture_stride, hidden);
         }
     }
 }
