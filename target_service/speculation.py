@@ -472,10 +472,9 @@ class Speculator:
                 seq.drafter_epoch = None
             if update.context_start > 0:  # the drafter holds its earlier context
                 self._released.append(seq_id)
-            self._staged.drop(seq_id)
             self._behind.pop(seq_id, None)
         self._pending.clear()
-        self._staged.clear()
+        self._staged.clear()  # every held row was a pending sequence's
 
     def _valid_drafts(self, reply: dpb.ProposeResponse, reserved: dict[int, int],
                       metrics: TargetMetrics) -> dict[int, list[int]]:

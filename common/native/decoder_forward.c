@@ -187,6 +187,17 @@ static void norm_rows(const float *x, const float *weight, float *out, int64_t r
     }
 }
 
+// Each row's KV slot inside the pool and its position inside the rotary table, checked before
+// anything is written: FWD_OK, FWD_BAD_SLOT or FWD_BAD_POSITION.
+static int checked_rows(const Decoder *d, const int64_t *slots, const int64_t *positions, int64_t rows,
+                        int64_t rope_positions) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= rope_positions) return FWD_BAD_POSITION;
+    return FWD_OK;
+}
+
 // x [T, hidden] float32: the embedded tokens in, the residual stream through the layers (changed
 // in place); out [T, hidden]: after the final norm (also the last layer's capture, as Hugging
 // Face reports it). rope [rope_positions, 2, head_dim]: each position's cos and signed sin (see
@@ -202,10 +213,8 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
         d->kv_heads < 1 || d->q_heads % d->kv_heads || (d->capture_kind != KV_F32 && d->capture_kind != KV_BF16) ||
         d->capture_stride < d->hidden)
         return FWD_BAD_SHAPE;
-    for (int64_t t = 0; t < rows; t++)
-        if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
-    for (int64_t t = 0; t < rows; t++)
-        if (positions[t] < 0 || positions[t] >= rope_positions) return FWD_BAD_POSITION;
+    const int rows_status = checked_rows(d, slots, positions, rows, rope_positions);
+    if (rows_status != FWD_OK) return rows_status;
     // every page the attention will read, checked before the first write: a refused step changes nothing
     const Pool pool = {NULL, 0, 0, 0, 0, d->num_pages, d->page_size};
     const int32_t most = checked_sequences(&pool, page_table, table_len, num_seqs, row_start, row_keys, rows);
@@ -279,10 +288,8 @@ int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uin
     if (!HAVE_AMX) return FWD_NO_AMX;
     if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16))
         return FWD_BAD_SHAPE;
-    for (int64_t t = 0; t < rows; t++)
-        if (slots[t] < 0 || slots[t] / d->page_size >= d->num_pages) return FWD_BAD_SLOT;
-    for (int64_t t = 0; t < rows; t++)
-        if (positions[t] < 0 || positions[t] >= rope_positions) return FWD_BAD_POSITION;
+    const int rows_status = checked_rows(d, slots, positions, rows, rope_positions);
+    if (rows_status != FWD_OK) return rows_status;
     threads = threads > 0 ? threads : 1;
     const int64_t hidden = d->hidden, q_width = d->q_heads * d->head_dim;
     const int64_t qkv_width = (d->q_heads + 2 * d->kv_heads) * d->head_dim;
