@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -298,7 +299,11 @@ def target_only(models, tmp_path_factory):
     try:
         yield target.wait_serving(), target
     finally:
-        assert target.stop() == 0, target.log()
+        stopped = target.stop()  # the shm folder is removed whatever this says (it was left behind)
+        leftovers = list(shm.iterdir())
+        shutil.rmtree(shm, ignore_errors=True)
+    assert stopped == 0, target.log()
+    assert not leftovers, f"the pool file outlived the target: {leftovers}"
 
 
 @pytest.fixture(scope="module")
