@@ -80,39 +80,89 @@ static inline float rms_scale(const float *x, int64_t n, float eps) {
     return 1.0f / sqrtf(sum / (float)n + eps);
 }
 
+// Row t of a layer's hidden states into its capture rows (`capture_stride` elements apart), as float32
+// or rounded to bfloat16 (as torch's copy rounds).
+static inline void store_capture_row(const Decoder *d, void *capture, const float *row, int64_t t) {
+    if (d->capture_kind == KV_F32)
+        memcpy((float *)capture + t * d->capture_stride, row, sizeof(float) * (size_t)d->hidden);
+    else
+        floats_to_bf16(row, (uint16_t *)capture + t * d->capture_stride, d->hidden);
+}
+
+static void store_capture(const Decoder *d, void *capture, const float *x, int64_t rows) {
+    for (int64_t t = 0; t < rows; t++) store_capture_row(d, capture, x + t * d->hidden, t);
+}
+
+// An op's rows run in one OpenMP region only when they hold at least this many elements: a region's
+// fork and join cost about a microsecond, what one core takes for a few thousand elements of these
+// row ops. A smaller op (a decode's one row, a verify's norms) runs on the calling thread without
+// entering a region: even a region whose `if` is false costs a team set-up. Each row is computed
+// whole by one thread either way, so the split changes no bits.
+#define PARALLEL_GRAIN 4096
+#define ROWS_LOOP(team, rows, t, ...)                                          \
+    do {                                                                        \
+        if ((team) > 1) {                                                       \
+            _Pragma("omp parallel for num_threads(team) schedule(static)")      \
+            for (int64_t t = 0; t < (rows); t++) __VA_ARGS__                          \
+        } else {                                                                \
+            for (int64_t t = 0; t < (rows); t++) __VA_ARGS__                          \
+        }                                                                       \
+    } while (0)
+
+static inline int team_for(int64_t elements, int threads) { return elements >= PARALLEL_GRAIN ? threads : 1; }
+
+// out = bf16(x * rsqrt(mean(x²) + eps) * weight), one row of n
+static inline void norm_row_to_bf16(const float *x, const float *weight, uint16_t *out, int64_t n, float eps) {
+    const float scale = rms_scale(x, n, eps);
+    float normed[n];
+    for (int64_t i = 0; i < n; i++) normed[i] = x[i] * scale * weight[i];
+    floats_to_bf16(normed, out, n);
+}
+
 // out[t] = bf16(x[t] * rsqrt(mean(x[t]²) + eps) * weight)
 static void norm_rows_to_bf16(const float *x, const float *weight, uint16_t *out, int64_t rows, int64_t n, float eps,
                               int threads) {
-#pragma omp parallel for num_threads(threads) if (rows >= 8) schedule(static)
-    for (int64_t t = 0; t < rows; t++) {
-        const float *row = x + t * n;
-        const float scale = rms_scale(row, n, eps);
-        float normed[n];
-        for (int64_t i = 0; i < n; i++) normed[i] = row[i] * scale * weight[i];
-        floats_to_bf16(normed, out + t * n, n);
-    }
+    const int team = team_for(rows * n, threads);
+    ROWS_LOOP(team, rows, t, { norm_row_to_bf16(x + t * n, weight, out + t * n, n, eps); });
+}
+
+// x[t] += delta[t], then out[t] = bf16(norm(x[t]) * weight): a residual and the next op's RMSNorm in one
+// pass over the rows; with `capture` (NULL: none), x[t] after the residual is stored there too.
+static void residual_norm_rows_to_bf16(const Decoder *d, float *x, const float *delta, const float *weight,
+                                       uint16_t *out, void *capture, int64_t rows, int threads) {
+    const int64_t n = d->hidden;
+    const int team = team_for(rows * n, threads);
+    ROWS_LOOP(team, rows, t, {
+        float *row = x + t * n;
+        const float *add = delta + t * n;
+        for (int64_t i = 0; i < n; i++) row[i] += add[i];
+        if (capture != NULL) store_capture_row(d, capture, row, t);
+        norm_row_to_bf16(row, weight, out + t * n, n, d->eps);
+    });
 }
 
 static void rows_to_bf16(const float *x, uint16_t *out, int64_t count, int threads) {
-    const int64_t chunk = 4096;
-#pragma omp parallel for num_threads(threads) if (count >= 65536) schedule(static)
-    for (int64_t i = 0; i < count; i += chunk) floats_to_bf16(x + i, out + i, count - i < chunk ? count - i : chunk);
+    const int64_t chunk = 4096, chunks = (count + chunk - 1) / chunk;
+    const int team = team_for(count, threads);
+    ROWS_LOOP(team, chunks, c, { floats_to_bf16(x + c * chunk, out + c * chunk, count - c * chunk < chunk ? count - c * chunk : chunk); });
 }
 
 static void add_rows(float *x, const float *delta, int64_t count, int threads) {
-#pragma omp parallel for num_threads(threads) if (count >= 65536) schedule(static)
-    for (int64_t i = 0; i < count; i++) x[i] += delta[i];
+    const int team = team_for(count, threads);
+    ROWS_LOOP(team, count, i, { x[i] += delta[i]; });
+}
+
+// bf16(silu(gate) * up), one row of `inter`
+static inline void silu_mul_row(const float *gate, const float *up, uint16_t *out, int64_t inter) {
+    float silu[inter];
+    for (int64_t i = 0; i < inter; i++) silu[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+    floats_to_bf16(silu, out, inter);
 }
 
 // [T, 2I] float32 (gate | up) → bf16(silu(gate) * up) [T, I]
 static void silu_mul_rows(const float *gate_up, uint16_t *out, int64_t rows, int64_t inter, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows >= 8) schedule(static)
-    for (int64_t t = 0; t < rows; t++) {
-        const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
-        float silu[inter];
-        for (int64_t i = 0; i < inter; i++) silu[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
-        floats_to_bf16(silu, out + t * inter, inter);
-    }
+    const int team = team_for(rows * inter, threads);
+    ROWS_LOOP(team, rows, t, { silu_mul_row(gate_up + t * 2 * inter, gate_up + t * 2 * inter + inter, out + t * inter, inter); });
 }
 
 // One head vector: its RMSNorm (when weighted), then the neox rotation with the sign folded into
@@ -140,6 +190,25 @@ static void store_vector(uint8_t *at, const float *v, int64_t dim, int32_t kind)
     }
 }
 
+// One (row, head) item of the qkv product row `row` [(Hq + 2 Hkv) D]: a q head normed and rotated
+// into q_out [Hq, D], or a kv head's k normed, rotated and stored with its v at `slot` in the pages.
+static inline void query_or_kv_item(const Decoder *d, const DecoderLayer *layer, const float *row, float *q_out,
+                                    const float *row_rope, int64_t slot, int64_t h) {
+    const int64_t dim = d->head_dim;
+    const float *row_cos = row_rope, *row_sin = row_rope + dim;
+    if (h < d->q_heads) {
+        norm_and_rotate(row + h * dim, layer->q_norm, d->eps, row_cos, row_sin, q_out + h * dim, dim);
+        return;
+    }
+    const int64_t kv_head = h - d->q_heads;
+    float key[dim];
+    norm_and_rotate(row + (d->q_heads + kv_head) * dim, layer->k_norm, d->eps, row_cos, row_sin, key, dim);
+    uint8_t *at = layer->kv + (slot / d->page_size) * d->page_stride + (slot % d->page_size) * d->token_stride +
+                  kv_head * d->head_stride;
+    store_vector(at, key, dim, d->kv_kind);
+    store_vector(at + d->plane_stride, row + (d->q_heads + d->kv_heads + kv_head) * dim, dim, d->kv_kind);
+}
+
 // From the qkv product [T, (Hq + 2 Hkv) D]: q normed and rotated into q_out [T, Hq, D]; k normed,
 // rotated and v stored in the pages at each row's slot.
 static void queries_and_kv(const Decoder *d, const DecoderLayer *layer, const float *qkv, float *q_out,
@@ -147,38 +216,14 @@ static void queries_and_kv(const Decoder *d, const DecoderLayer *layer, const fl
                            int threads) {
     const int64_t dim = d->head_dim, heads = d->q_heads + d->kv_heads;
     const int64_t width = (d->q_heads + 2 * d->kv_heads) * dim;
-#pragma omp parallel for num_threads(threads) if (rows * heads >= 16) schedule(static)
-    for (int64_t item = 0; item < rows * heads; item++) {
-        const int64_t t = item / heads, h = item % heads;
-        const float *row = qkv + t * width;
-        const float *row_cos = rope + positions[t] * 2 * dim, *row_sin = row_cos + dim;
-        if (h < d->q_heads) {
-            norm_and_rotate(row + h * dim, layer->q_norm, d->eps, row_cos, row_sin, q_out + (t * d->q_heads + h) * dim,
-                            dim);
-            continue;
-        }
-        const int64_t kv_head = h - d->q_heads;
-        float key[dim];
-        norm_and_rotate(row + (d->q_heads + kv_head) * dim, layer->k_norm, d->eps, row_cos, row_sin, key, dim);
-        uint8_t *at = layer->kv + (slots[t] / d->page_size) * d->page_stride +
-                      (slots[t] % d->page_size) * d->token_stride + kv_head * d->head_stride;
-        store_vector(at, key, dim, d->kv_kind);
-        store_vector(at + d->plane_stride, row + (d->q_heads + d->kv_heads + kv_head) * dim, dim, d->kv_kind);
-    }
+    const int team = team_for(rows * heads * dim, threads);
+    ROWS_LOOP(team, rows * heads, item, {
+        const int64_t t = item / heads;
+        query_or_kv_item(d, layer, qkv + t * width, q_out + t * d->q_heads * dim, rope + positions[t] * 2 * dim,
+                         slots[t], item % heads);
+    });
 }
 
-// A layer's hidden states [T, hidden] into its capture rows (`capture_stride` elements apart), as float32
-// or rounded to bfloat16 (as torch's copy rounds).
-static void store_capture(const Decoder *d, void *capture, const float *x, int64_t rows) {
-    const int64_t hidden = d->hidden;
-    for (int64_t t = 0; t < rows; t++) {
-        if (d->capture_kind == KV_F32) {
-            memcpy((float *)capture + t * d->capture_stride, x + t * hidden, sizeof(float) * (size_t)hidden);
-        } else {
-            floats_to_bf16(x + t * hidden, (uint16_t *)capture + t * d->capture_stride, hidden);
-        }
-    }
-}
 
 static void norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
     for (int64_t t = 0; t < rows; t++) {
@@ -235,9 +280,9 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     float *scratch = tiles ? malloc(sizeof(float) * (size_t)(threads * scratch_floats)) : NULL;
     int status = FWD_OK;
     if (!product_in || !product_out || !queries || !attended || !delta || (tiles && !scratch)) status = FWD_NO_MEMORY;
+    if (d->layers > 0) norm_rows_to_bf16(x, layers[0].input_norm, product_in, rows, hidden, d->eps, threads);
     for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
-        const DecoderLayer *layer = layers + i;
-        norm_rows_to_bf16(x, layer->input_norm, product_in, rows, hidden, d->eps, threads);
+        const DecoderLayer *layer = layers + i;  // product_in: x normed by its input norm
         PRODUCT(product_in, rows, hidden, layer->qkv, qkv_width, product_out, 1, threads);
         if (status != FWD_OK) break;
         queries_and_kv(d, layer, product_out, queries, rope, positions, slots, rows, threads);
@@ -254,15 +299,16 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
         rows_to_bf16(attended, product_in, rows * q_width, threads);
         PRODUCT(product_in, rows, q_width, layer->o, hidden, delta, 1, threads);
         if (status != FWD_OK) break;
-        add_rows(x, delta, rows * hidden, threads);
-        norm_rows_to_bf16(x, layer->post_norm, product_in, rows, hidden, d->eps, threads);
+        residual_norm_rows_to_bf16(d, x, delta, layer->post_norm, product_in, NULL, rows, threads);
         PRODUCT(product_in, rows, hidden, layer->gate_up, 2 * inter, product_out, 1, threads);
         if (status != FWD_OK) break;
         silu_mul_rows(product_out, product_in, rows, inter, threads);
         PRODUCT(product_in, rows, inter, layer->down, hidden, delta, 1, threads);
         if (status != FWD_OK) break;
-        add_rows(x, delta, rows * hidden, threads);
-        if (layer->capture != NULL && i + 1 < d->layers) store_capture(d, layer->capture, x, rows);
+        if (i + 1 < d->layers)  // the residual, its capture, and the next layer's input norm in one pass
+            residual_norm_rows_to_bf16(d, x, delta, layer[1].input_norm, product_in, layer->capture, rows, threads);
+        else
+            add_rows(x, delta, rows * hidden, threads);
     }
     if (status == FWD_OK) {
         norm_rows(x, d->final_norm, out, rows, hidden, d->eps);
