@@ -102,6 +102,9 @@ class Sizes:
             raise ValueError("prompts must be shorter than gen_total_len, and gen_total_len fit the context")
         if self.threads < 1 or self.dflash_loss_gamma <= 0 or self.heldout_evals < 0:
             raise ValueError("threads must be ≥ 1, dflash_loss_gamma > 0 and heldout_evals ≥ 0")
+        if self.dflash_layers < 1 or self.draft_layers < 1:
+            raise ValueError(f"the drafters need a layer at least, got dflash_layers {self.dflash_layers} and "
+                             f"draft_layers {self.draft_layers}")
         for heads, kv_heads in ((self.heads, self.kv_heads), (self.dflash_heads, self.dflash_kv_heads),
                                 (self.draft_heads, self.draft_kv_heads)):
             if heads % kv_heads:

@@ -546,6 +546,18 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
     return history
 
 
+def sizes_for(args: argparse.Namespace) -> Sizes:
+    """The run's sizes: the full or smoke recipe with the command line's changes."""
+    base = SMOKE if args.smoke else FULL
+    changes: dict = {"threads": args.threads}
+    if args.corpus is not None and args.corpus != base.corpus:
+        changes |= {"corpus": args.corpus,
+                    "stdlib_share": 1.0 if args.corpus == "stdlib" else PACKAGES_STDLIB_SHARE}
+    if args.dflash_layers is not None:
+        changes["dflash_layers"] = args.dflash_layers
+    return dataclasses.replace(base, **changes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
@@ -568,15 +580,13 @@ def main(argv: list[str] | None = None) -> int:
                              "target of an earlier run's output DIR, such as demo/; they are copied to --out as they are")
     parser.add_argument("--scaling-probe", type=Path, default=None, metavar="JSON",
                         help="scripts/scaling_probe.py's report behind the sizes, kept in training.json")
+    parser.add_argument("--dflash-layers", type=int, default=None, metavar="N",
+                        help="DFlash drafter layers (default: the recipe's); with --target-from, to measure "
+                             "whether another layer pays for itself in speed, not only acceptance")
     parser.add_argument("--pause-after", type=PausePoint.parse, default=None, help=argparse.SUPPRESS)  # tests
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    base = SMOKE if args.smoke else FULL
-    changes: dict = {"threads": args.threads}
-    if args.corpus is not None and args.corpus != base.corpus:
-        changes |= {"corpus": args.corpus,
-                    "stdlib_share": 1.0 if args.corpus == "stdlib" else PACKAGES_STDLIB_SHARE}
-    sizes = dataclasses.replace(base, **changes)
+    sizes = sizes_for(args)
     policy = CheckpointPolicy(every_seconds=args.checkpoint_minutes * 60, every_steps=args.checkpoint_steps)
     try:
         run(sizes, args.out, args.work, policy, args.pause_after, args.restart, args.keep_work,

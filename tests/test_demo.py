@@ -15,6 +15,8 @@ bundled `demo/` when it is complete, else the smoke outputs: never a silent skip
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -231,6 +233,20 @@ def test_target_from_refuses_another_shape_or_an_incomplete_folder(smoke_dir, tm
                              timeout=120)
     assert refused.returncode == 2 and "missing target/model.safetensors" in refused.stderr, refused.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_the_command_line_deepens_only_dflash_and_refuses_a_drafter_without_layers():
+    """`--dflash-layers` (to measure whether a third layer pays, with --target-from) changes that one
+    size of the recipe; a drafter of no layers is refused before anything trains."""
+    full = argparse.Namespace(smoke=False, threads=2, corpus=None, dflash_layers=3)
+    sizes = train_demo.sizes_for(full)
+    assert sizes.dflash_layers == 3
+    assert dataclasses.replace(sizes, dflash_layers=demo_training.FULL.dflash_layers) == \
+        dataclasses.replace(demo_training.FULL, threads=2)
+    assert train_demo.sizes_for(argparse.Namespace(smoke=True, threads=1, corpus=None, dflash_layers=None)) == \
+        dataclasses.replace(demo_training.SMOKE, threads=1)
+    with pytest.raises(ValueError, match="dflash_layers 0"):
+        train_demo.sizes_for(argparse.Namespace(smoke=True, threads=1, corpus=None, dflash_layers=0))
 
 
 def test_checkpoint_write_cut_short_leaves_the_last_one(tmp_path):
