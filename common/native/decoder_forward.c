@@ -99,14 +99,14 @@ static void store_capture(const Decoder *d, void *capture, const float *x, int64
 // entering a region: even a region whose `if` is false costs a team set-up. Each row is computed
 // whole by one thread either way, so the split changes no bits.
 #define PARALLEL_GRAIN 4096
-#define ROWS_LOOP(team, rows, t, ...)                                          \
-    do {                                                                        \
-        if ((team) > 1) {                                                       \
-            _Pragma("omp parallel for num_threads(team) schedule(static)")      \
-            for (int64_t t = 0; t < (rows); t++) __VA_ARGS__                          \
-        } else {                                                                \
-            for (int64_t t = 0; t < (rows); t++) __VA_ARGS__                          \
-        }                                                                       \
+#define ROWS_LOOP(team, rows, t, ...)                                      \
+    do {                                                                    \
+        if ((team) > 1) {                                                   \
+            _Pragma("omp parallel for num_threads(team) schedule(static)")  \
+            for (int64_t t = 0; t < (rows); t++) __VA_ARGS__                \
+        } else {                                                            \
+            for (int64_t t = 0; t < (rows); t++) __VA_ARGS__                \
+        }                                                                   \
     } while (0)
 
 static inline int team_for(int64_t elements, int threads) { return elements >= PARALLEL_GRAIN ? threads : 1; }
@@ -144,7 +144,10 @@ static void residual_norm_rows_to_bf16(const Decoder *d, float *x, const float *
 static void rows_to_bf16(const float *x, uint16_t *out, int64_t count, int threads) {
     const int64_t chunk = 4096, chunks = (count + chunk - 1) / chunk;
     const int team = team_for(count, threads);
-    ROWS_LOOP(team, chunks, c, { floats_to_bf16(x + c * chunk, out + c * chunk, count - c * chunk < chunk ? count - c * chunk : chunk); });
+    ROWS_LOOP(team, chunks, c, {
+        const int64_t left = count - c * chunk;
+        floats_to_bf16(x + c * chunk, out + c * chunk, left < chunk ? left : chunk);
+    });
 }
 
 static void add_rows(float *x, const float *delta, int64_t count, int threads) {
@@ -162,7 +165,10 @@ static inline void silu_mul_row(const float *gate, const float *up, uint16_t *ou
 // [T, 2I] float32 (gate | up) → bf16(silu(gate) * up) [T, I]
 static void silu_mul_rows(const float *gate_up, uint16_t *out, int64_t rows, int64_t inter, int threads) {
     const int team = team_for(rows * inter, threads);
-    ROWS_LOOP(team, rows, t, { silu_mul_row(gate_up + t * 2 * inter, gate_up + t * 2 * inter + inter, out + t * inter, inter); });
+    ROWS_LOOP(team, rows, t, {
+        const float *gate = gate_up + t * 2 * inter;
+        silu_mul_row(gate, gate + inter, out + t * inter, inter);
+    });
 }
 
 // One head vector: its RMSNorm (when weighted), then the neox rotation with the sign folded into
@@ -280,7 +286,8 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     float *scratch = tiles ? malloc(sizeof(float) * (size_t)(threads * scratch_floats)) : NULL;
     int status = FWD_OK;
     if (!product_in || !product_out || !queries || !attended || !delta || (tiles && !scratch)) status = FWD_NO_MEMORY;
-    if (d->layers > 0) norm_rows_to_bf16(x, layers[0].input_norm, product_in, rows, hidden, d->eps, threads);
+    if (status == FWD_OK && d->layers > 0)  // after a failed allocation nothing is written
+        norm_rows_to_bf16(x, layers[0].input_norm, product_in, rows, hidden, d->eps, threads);
     for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
         const DecoderLayer *layer = layers + i;  // product_in: x normed by its input norm
         PRODUCT(product_in, rows, hidden, layer->qkv, qkv_width, product_out, 1, threads);
