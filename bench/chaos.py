@@ -129,7 +129,11 @@ class Up:
         """The current pid of each service (children of `up`, by their module)."""
         found = {}
         for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for pid in (task / "children").read_text().split():
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # the thread ended after the listing (as a child may before its cmdline is read)
+                continue
+            for pid in children:
                 try:
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 except OSError:
