@@ -38,7 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.native_linear import AmxLinear, amx_unavailable_reason, fits_tiles, shape_fits_tiles
+from common.native_linear import (
+    TiledLinear,
+    fits_tiles,
+    shape_fits_tiles,
+    tile_kernel_name,
+    tile_kernels_unavailable_reason,
+)
 
 MIN_PACKED_ROWS = 2  # float32: a single row runs faster through the plain sgemm (measured on the demo shapes)
 MIN_PACKED_ROWS_BF16 = 1  # bfloat16: the packed product is faster from one row (torch's own is slower than float32)
@@ -133,12 +139,13 @@ def _agrees_with_f_linear(packed: nn.Module) -> bool:
 def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None = None,
                      whole_forward_on_tiles: bool = False) -> int:
     """Swap every CPU `nn.Linear` (StackedLinear included) of a packable dtype for a `PackedLinear`,
-    or for an `AmxLinear` where that measures faster (bfloat16 on a CPU with AMX); how many were.
+    or for a `TiledLinear` where that measures faster (bfloat16 on a CPU with AMX or AVX512-BF16); how
+    many were.
     (Layers elsewhere, on "meta" for instance, or of another dtype, are left as they are.)
     `timer` replaces the clock in the kernel choices (tests).
 
     `whole_forward_on_tiles`: the caller will run the model's forward in one native call, which
-    needs every product on tiles (common/native_forward.py): then a shape that fits takes the AMX
+    needs every product on tiles (common/native_forward.py): then a shape that fits takes the tiled
     kernel without a product-by-product race, which times a call with the Python around it, not
     the forward's cost, and on a busy machine once handed a layer to oneDNN and with it the
     whole step back to torch (4x slower)."""
@@ -160,8 +167,8 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None 
     packed, tiled = [], 0
     for parent, name, child in linears:
         choice = tile_choices.get(shape_key(child))
-        if choice is not None and choice.kernel == "amx":
-            setattr(parent, name, AmxLinear(child))
+        if choice is not None and choice.kernel == "tiles":
+            setattr(parent, name, TiledLinear(child))
             tiled += 1
         else:
             packed.append(PackedLinear(child))
@@ -171,7 +178,7 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None 
         log.info("CPU linears: %d packed for oneDNN (%s; products of up to %d rows)", len(packed),
                  ", ".join(sorted({str(layer.weight.dtype) for layer in packed})), MAX_PACKED_ROWS)
     if tiled:
-        log.info("CPU linears: %d on AMX tiles (bfloat16)", tiled)
+        log.info("CPU linears: %d tile-packed (bfloat16, %s)", tiled, tile_kernel_name())
     choices = select_kernels(packed, timer)
     if choices:
         log.info("CPU linears, the faster kernel measured per float32 shape and row count (%d threads):\n  %s",
@@ -188,13 +195,13 @@ TILE_ROWS = (1, 9, 16)  # a decode, a K=8 verify, a full tile: what the bfloat16
 
 @dataclass
 class TileChoice:
-    """One bfloat16 shape's product timed through the AMX kernel and oneDNN's packed product, in µs
+    """One bfloat16 shape's product timed through the tiled kernel (AMX or AVX512-BF16) and oneDNN's packed product, in µs
     by row count; the layer runs the one faster over those counts at every row count (one kernel
     for all keeps a row's bits independent of the row count)."""
 
     in_features: int
     out_features: int
-    amx_us: dict[int, float] = field(default_factory=dict)
+    tiled_us: dict[int, float] = field(default_factory=dict)
     packed_us: dict[int, float] = field(default_factory=dict)
     chosen: str | None = None  # set without timing (`choose_tile_kernels(untimed=True)`)
 
@@ -202,42 +209,42 @@ class TileChoice:
     def kernel(self) -> str:
         if self.chosen is not None:
             return self.chosen
-        return "amx" if sum(self.amx_us.values()) < sum(self.packed_us.values()) else "packed"
+        return "tiles" if sum(self.tiled_us.values()) < sum(self.packed_us.values()) else "packed"
 
     def describe(self) -> str:
-        rows = "/".join(map(str, self.amx_us))
-        amx = "/".join(f"{us:.1f}" for us in self.amx_us.values())
+        rows = "/".join(map(str, self.tiled_us))
+        tiled = "/".join(f"{us:.1f}" for us in self.tiled_us.values())
         packed = "/".join(f"{us:.1f}" for us in self.packed_us.values())
-        return (f"{self.in_features}->{self.out_features}: AMX {amx} µs, oneDNN packed {packed} µs at {rows} rows: "
+        return (f"{self.in_features}->{self.out_features}: tiles {tiled} µs, oneDNN packed {packed} µs at {rows} rows: "
                 f"{self.kernel}")
 
 
 def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger, timer: Timer | None = None,
                         untimed: bool = False) -> dict[tuple, TileChoice]:
-    """For each bfloat16 shape that fits AMX tiles, where the kernel runs here and agrees with
-    `F.linear` on a probe: the AMX product timed against oneDNN's packed one (`TileChoice`), or,
-    `untimed`, the AMX product."""
+    """For each bfloat16 shape that fits whole tiles, where the tiled kernel runs here and agrees with
+    `F.linear` on a probe: the tiled product timed against oneDNN's packed one (`TileChoice`), or,
+    `untimed`, the tiled product."""
     shapes = {shape_key(layer): layer for layer in linears if fits_tiles(layer)}
     if not shapes:
         return {}
-    reason = amx_unavailable_reason()
+    reason = tile_kernels_unavailable_reason()
     if reason is not None:
         log.info("CPU linears: bfloat16 products stay with oneDNN: %s", reason)
         return {}
     choices = {}
     for key, layer in shapes.items():
-        if not _agrees_with_f_linear(AmxLinear(layer)):
-            log.warning("CPU linears: the AMX %d->%d product disagreed with F.linear on a probe; using oneDNN's",
+        if not _agrees_with_f_linear(TiledLinear(layer)):
+            log.warning("CPU linears: the tiled %d->%d product disagreed with F.linear on a probe; using oneDNN's",
                         layer.in_features, layer.out_features)
             continue
         if untimed:
-            choices[key] = TileChoice(layer.in_features, layer.out_features, chosen="amx")
+            choices[key] = TileChoice(layer.in_features, layer.out_features, chosen="tiles")
             continue
         choices[key] = (_measured_tiles(*key, torch.get_num_threads()) if timer is None
                         else measure_tiles(layer, timer))
     if untimed and choices:
-        log.info("CPU linears: every bfloat16 product that fits on AMX tiles (%d shapes): the forward runs in one "
-                 "native call", len(choices))
+        log.info("CPU linears: every bfloat16 product that fits whole tiles (%d shapes, on %s): the forward runs in one "
+                 "native call", len(choices), tile_kernel_name())
     elif choices:
         log.info("CPU linears, bfloat16 kernel measured per shape (%d threads):\n  %s", torch.get_num_threads(),
                  "\n  ".join(choice.describe() for choice in choices.values()))
@@ -245,16 +252,16 @@ def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger, timer: Ti
 
 
 def measure_tiles(layer: nn.Linear, timer: Timer | None = None) -> TileChoice:
-    amx, packed = AmxLinear(layer), PackedLinear(layer)
+    tiled, packed = TiledLinear(layer), PackedLinear(layer)
     choice = TileChoice(layer.in_features, layer.out_features)
     x = torch.randn(max(TILE_ROWS), layer.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with torch.inference_mode():
         for rows in TILE_ROWS:
             flat = x[:rows]
-            calls = {"amx": lambda: amx(flat), "packed": lambda: packed(flat)}
+            calls = {"tiles": lambda: tiled(flat), "packed": lambda: packed(flat)}
             seconds = time_pair(calls) if timer is None else {name: timer(name, rows, call)
                                                                for name, call in calls.items()}
-            choice.amx_us[rows], choice.packed_us[rows] = 1e6 * seconds["amx"], 1e6 * seconds["packed"]
+            choice.tiled_us[rows], choice.packed_us[rows] = 1e6 * seconds["tiles"], 1e6 * seconds["packed"]
     return choice
 
 
@@ -341,9 +348,9 @@ def describe_rows(in_features: int, out_features: int, plain_rows: frozenset[int
 def describe_kernels(model: nn.Module) -> list[str]:
     """The kernel each packed layer shape of `model` runs at each row count, one line per shape."""
     shapes = {(m.in_features, m.out_features, m.weight.dtype): m for m in model.modules()
-              if isinstance(m, PackedLinear | AmxLinear)}
-    return [f"{i}->{o}: AMX tiles at every row count ({str(dtype).removeprefix('torch.')})"
-            if isinstance(layer, AmxLinear)
+              if isinstance(m, PackedLinear | TiledLinear)}
+    return [f"{i}->{o}: tiles ({tile_kernel_name()}) at every row count ({str(dtype).removeprefix('torch.')})"
+            if isinstance(layer, TiledLinear)
             else f"{describe_rows(i, o, layer.plain_rows, packed_row_counts())} ({str(dtype).removeprefix('torch.')})"
             for (i, o, dtype), layer in shapes.items()]
 
@@ -433,19 +440,20 @@ def _build_every_shape(packed: list[PackedLinear]) -> None:
 
 def cpu_target_dtype(shapes: list[tuple[int, int, int, bool]], log: logging.Logger) -> torch.dtype:
     """`--dtype auto` for a target on a CPU: bfloat16 where every product of its forward
-    (`shapes`: in, out, count per token, bias) runs on AMX tiles, float32 anywhere else.
+    (`shapes`: in, out, count per token, bias) runs tile-packed (AMX or AVX512-BF16), float32
+    anywhere else.
 
-    On AMX tiles a row's bits do not depend on the row count (`common/native_linear.py`), so
-    speculative output stays bit for bit the bfloat16 target-only output, and a product of
-    1-16 rows costs about what one row does: on an Intel Xeon with AMX the demo target, its
-    step in one native call, decoded 3.9x faster than in float32 (`bench/target_dtype.py`,
-    docs/performance.md#the-targets-dtype-on-a-cpu). A rule, not a timing at each start: the tile
-    multiply's advantage is the hardware's, and a dtype that flipped with a noisy measurement
-    would change a deployment's outputs from one start to the next."""
-    reason = amx_unavailable_reason()
+    Tile-packed, a row's bits do not depend on the row count (`common/native_linear.py`), so
+    speculative output stays bit for bit the bfloat16 target-only output: on an Intel Xeon with
+    AMX the demo target, its step in one native call, decoded 3.9x faster than in float32
+    (`bench/target_dtype.py`, docs/performance.md#the-targets-dtype-on-a-cpu), and on an AMD
+    EPYC with AVX512-BF16 and no AMX the same call decodes ~5x faster than float32 eager. A rule, not
+    a timing at each start: the native multiply's advantage is the hardware's, and a dtype that
+    flipped with a noisy measurement would change a deployment's outputs from one start to the next."""
+    reason = tile_kernels_unavailable_reason()
     if reason is None and not all(shape_fits_tiles(i, o) for i, o, _, _ in shapes):
-        reason = "a product of this model does not fit whole AMX tiles"
+        reason = "a product of this model does not fit whole tiles"
     dtype = torch.float32 if reason is not None else torch.bfloat16
     log.info("target dtype auto on this CPU: %s (%s; --dtype float32 or bfloat16 to choose)",
-             str(dtype).removeprefix("torch."), reason or "every product runs on AMX tiles")
+             str(dtype).removeprefix("torch."), reason or f"every product runs tile-packed, on {tile_kernel_name()}")
     return dtype

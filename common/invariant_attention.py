@@ -30,7 +30,7 @@ from common.attention_metadata import AttentionMetadata
 from common.cpu_linear import PackedLinear, invariant_chunk_rows
 from common.kv_layout import KVLayout, LayerSpec
 from common.kv_quant import dequantize, is_fp8_dtype
-from common.native_linear import AmxLinear
+from common.native_linear import TiledLinear
 
 KEY_TILE = 64  # keys are summed in tiles of this many, aligned to position 0
 MIN_ROWS = 2  # a 1-row matmul takes BLAS's matrix-vector path, whose sums are ordered differently
@@ -171,21 +171,24 @@ class BatchInvariantTorchBackend(TorchAttentionBackend):
         return self._scales[key]
 
 
-def make_batch_invariant(model: torch.nn.Module) -> str | None:
+def make_batch_invariant(model: torch.nn.Module, torch_attention: bool = True) -> str | None:
     """Set up this model's forward to be batch-invariant on this machine; why it cannot be, or None.
 
     Measured here, not assumed (BLAS and oneDNN choose kernels per shape and per CPU):
     every packed linear gets the longest chunk within which each row rounds as it would
     alone (`invariant_chunk_rows`), any other linear must already be invariant up to 512
-    rows, and `attend_group_invariant` must give a row the same bits in a decode, a verify,
-    a batch and a prefill chunk."""
+    rows, and, where the model will attend through torch (`torch_attention`; the native C
+    kernels are invariant by construction), `attend_group_invariant` must give a row the same
+    bits in a decode, a verify, a batch and a prefill chunk. (On an AMD EPYC the torch path
+    failed that probe, MKL's batched product rounding a row by the row count, while the
+    native kernels passed: the probe is the torch path's alone.)"""
     generator = torch.Generator().manual_seed(0)
     packed: dict[tuple, list[PackedLinear]] = {}
     others = {}
     for module in model.modules():
         if isinstance(module, PackedLinear):
             packed.setdefault((module.in_features, module.out_features, module.weight.dtype), []).append(module)
-        elif isinstance(module, torch.nn.Linear | AmxLinear):  # AMX: invariant by construction, checked all the same
+        elif isinstance(module, torch.nn.Linear | TiledLinear):  # tiled: invariant by construction, checked all the same
             others.setdefault((module.in_features, module.out_features, module.weight.dtype), module)
     for (in_features, out_features, dtype), layers in packed.items():
         chunk = invariant_chunk_rows(layers[0])
@@ -201,7 +204,7 @@ def make_batch_invariant(model: torch.nn.Module) -> str | None:
             if not all(torch.equal(module(x[:rows]), alone[:rows]) for rows in (2, 9, 16, 64, 512)):
                 return f"a {in_features}->{out_features} ({dtype}) linear rounds a row by the row count"
         attention = next((m for m in model.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "head_dim")), None)
-        if attention is None:
+        if attention is None or not torch_attention:
             return None
         return _attention_problem(attention.num_heads, attention.num_kv_heads, attention.head_dim, generator)
 

@@ -1,4 +1,4 @@
-"""Building and loading the C kernels in `common/native/` (paged attention, AMX products).
+"""Building and loading the C kernels in `common/native/` (paged attention, bfloat16 products).
 
 Each source is compiled at load by the machine's C compiler (`$CC`, else `cc`) with
 `-march=native`, once per source, flags, compiler and CPU, into a cache directory

@@ -2,8 +2,9 @@
 
 Eager, a decode step of the demo target made ~200 op dispatches (about fifteen per layer
 around four products, plus the paged attention's), each a few µs of Python and dispatcher
-around a few µs of arithmetic; with the products on AMX tiles the dispatch was most of the
-step. Here the products (AMX), the paged attention and KV writes (the native attention's
+around a few µs of arithmetic; with the products on native bfloat16 kernels the dispatch was
+most of the step. Here the products (AMX tiles or AVX512-BF16), the paged attention and KV writes
+(the native attention's
 code) and the glue between them (RMSNorm, q/k norms, RoPE, SiLU, residuals) run in C, and a
 step is one call: what llama.cpp does with its graph, for one architecture.
 
@@ -14,7 +15,7 @@ Activations stay float32 between products (the products round their inputs to bf
 sum in float32), so the values differ from the eager bfloat16 forward's by rounding; a model
 runs one forward or the other for all its steps, never both.
 
-Used for a target whose every product runs on AMX tiles (`common/native_linear.py`), with
+Used for a target whose every product runs tile-packed (`common/native_linear.py`), with
 float32 or bfloat16 pages, the native attention backend, and no biases; `native_forward_problem`
 says why not otherwise, and the model keeps its eager (or compiled) forward.
 """
@@ -34,17 +35,17 @@ from common.compiled_forward import DecoderStack
 from common.native_attention import KV_BF16, KV_F32, NativeCpuAttentionBackend
 from common.native_attention import STATUS as ATTENTION_STATUS
 from common.native_build import NativeKernelUnavailable, load_library
-from common.native_linear import STATUS as AMX_STATUS
-from common.native_linear import AmxLinear, amx_unavailable_reason
+from common.native_linear import STATUS as PRODUCT_STATUS
+from common.native_linear import TiledLinear, tile_kernels_unavailable_reason
 from common.qwen3 import checked_capture_layers
 
 PAGE_KINDS = {torch.float32: KV_F32, torch.bfloat16: KV_BF16}
-AMX_OFFSET = 20  # decoder_forward.c: an AMX product's status, offset
+PRODUCT_OFFSET = 20  # decoder_forward.c: a product's status, offset
 BAD_POSITION = 12  # decoder_forward.c: a position past the rotary table (grown, then the call is made again)
 STATUS = {**ATTENTION_STATUS, 11: "a slot outside the pool", BAD_POSITION: "a position outside the rotary table",
-          13: "out of memory", 15: "no AMX tiles in this build",
+          13: "out of memory", 15: "no native bfloat16 products in this build",
           16: "a shape the forward does not support",
-          **{AMX_OFFSET + code: f"AMX product: {text}" for code, text in AMX_STATUS.items()}}
+          **{PRODUCT_OFFSET + code: f"bfloat16 product: {text}" for code, text in PRODUCT_STATUS.items()}}
 
 _P, _I64, _INT, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int32
 
@@ -58,7 +59,8 @@ class DecoderArgs(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("intermediate", _I64), ("q_heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("layers", _I64), ("eps", _F), ("scale", _F), ("final_norm", _P), ("page_stride", _I64),
                 ("plane_stride", _I64), ("token_stride", _I64), ("head_stride", _I64), ("num_pages", _I64),
-                ("page_size", _I32), ("kv_kind", _I32), ("capture_stride", _I64), ("capture_kind", _I32)]
+                ("page_size", _I32), ("kv_kind", _I32), ("capture_stride", _I64), ("capture_kind", _I32),
+                ("product_kernel", _I32)]
 
 
 _FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _INT]
@@ -75,7 +77,7 @@ class _Entries:
 
 @functools.cache
 def _load_forward() -> _Entries:
-    reason = amx_unavailable_reason()  # requests the tile state too
+    reason = tile_kernels_unavailable_reason()
     if reason is not None:
         raise NativeKernelUnavailable(reason)
     lib = load_library("decoder_forward")
@@ -110,10 +112,12 @@ def native_forward_problem(stack: DecoderStack, kv_dtype: torch.dtype, backend_c
             batch_invariant and not getattr(backend_cls, "batch_invariant", False)):
         return (f"the {backend_cls.name} attention backend (it needs the "
                 f"{'batch-invariant ' if batch_invariant else ''}native one)")
-    for layer in stack.layers:
-        products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(isinstance(p, AmxLinear) for p in products):
-            return "not every product runs on AMX tiles"
+    products = [p for layer in stack.layers
+                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if not all(isinstance(p, TiledLinear) for p in products):
+        return "not every product runs tile-packed (bfloat16 on AMX or AVX512-BF16)"
+    if len({p.kernel for p in products}) > 1:
+        return "its products run on different kernels (one call runs one)"
     try:
         _load_forward()
     except NativeKernelUnavailable as exc:
@@ -146,7 +150,8 @@ class NativeForward:
                                     q_heads=args.num_heads, kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                                     layers=args.num_layers, eps=args.rms_norm_eps, scale=args.head_dim**-0.5,
                                     final_norm=self._keep(stack.final_norm), capture_stride=args.hidden_size,
-                                    capture_kind=KV_F32)
+                                    capture_kind=KV_F32,
+                                    product_kernel=stack.layers[0].self_attn.qkv_proj.kernel)
         self._pool_key: tuple | None = None
         self._rope = torch.empty(0, 2, args.head_dim)  # [positions, 2, D]: cos and signed sin, grown as asked
         self._context_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, float32 copy): _norm_copy
@@ -165,7 +170,7 @@ class NativeForward:
         """Whether `context_kv` can write these pages (the native backend's geometry, float32 or bfloat16)."""
         return isinstance(backend, NativeCpuAttentionBackend) and kv_caches[0].dtype in PAGE_KINDS
 
-    def context_kv(self, features: torch.Tensor, fc: AmxLinear, hidden_norm: torch.Tensor, positions: torch.Tensor,
+    def context_kv(self, features: torch.Tensor, fc: TiledLinear, hidden_norm: torch.Tensor, positions: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
                    backend: NativeCpuAttentionBackend) -> None:
         """DFlash's context rows in one call: features [Tc, F] → rms_norm(fc(features)) · hidden_norm →
@@ -175,6 +180,8 @@ class NativeForward:
             raise ValueError(f"context rows {tuple(features.shape)} for an fc of {fc.in_features}->{fc.out_features}")
         if positions.shape != (rows,) or slot_mapping.shape != (rows,):
             raise ValueError(f"{rows} context rows with {positions.shape[0]} positions and {slot_mapping.shape[0]} slots")
+        if fc.kernel != self._decoder.product_kernel:
+            raise ValueError("the context fc runs on another product kernel than the draft layers")
         if rows == 0:
             return
         self._point_at_pool(kv_caches, backend)

@@ -1,17 +1,22 @@
-"""bfloat16 linear layers on AMX tiles through one native call (`common/native/amx_linear.c`).
+"""bfloat16 linear layers through one native call (`common/native/amx_linear.c`): on AMX tiles
+where the CPU has them, else with AVX512-BF16's VDPBF16PS on the same packed weight.
 
 oneDNN's packed bfloat16 product costs ~22 µs a call at the demo's sizes whatever the row
 count (measured on an Intel Xeon with AMX, 2 threads: 384→384 at 1 row 21.5 µs, at 16 rows
 21.2), most of it outside the arithmetic; the C kernel runs the same shapes in 4-8 µs and
-the 384→4096 head in 20 µs (oneDNN 55.5). Its weight is packed once into the tile layout,
-and every output element is one chain of tile products over the inputs in a fixed order, so
-a row's bits do not depend on how many rows share the call: the layer is batch-invariant by
-construction, which the lossless bfloat16 mode needs, at no cost to a decode.
+the 384→4096 head in 20 µs (oneDNN 55.5). On an AMD EPYC with AVX512-BF16 and no AMX (2
+threads) the VDPBF16PS kernel runs 384→384 in 5.5 µs at 1 row and 10.1 at 9, against 12.0 and
+43.8 for float32 `F.linear` and 26.5 and 30.8 for bfloat16 `F.linear` (docs/performance.md).
+Its weight is packed once into the tile layout, and every output element is one chain of
+products over the inputs in a fixed order, so a row's bits do not depend on how many rows
+share the call: the layer is batch-invariant by construction, which the lossless bfloat16
+mode needs, at no cost to a decode.
 
-Used where the CPU has AMX-BF16 (Linux grants the tile state on request), the kernel builds,
-the shape fits whole tiles (inputs a multiple of 32, outputs of 16) and a probe agrees with
-`F.linear`; `common/cpu_linear.py` times it against oneDNN's packed product per shape at load
-and keeps the faster.
+Used where the CPU has AMX-BF16 (Linux grants the tile state on request) or AVX512-BF16, the
+kernel builds, the shape fits whole tiles (inputs a multiple of 32, outputs of 16) and a probe
+agrees with `F.linear`; `common/cpu_linear.py` times it against oneDNN's packed product per
+shape at load and keeps the faster. Which of the two native kernels runs is the CPU's (AMX
+where granted): they round differently, and outputs must not change from one start to the next.
 """
 
 from __future__ import annotations
@@ -26,46 +31,63 @@ from torch import nn
 from common.native_build import NativeKernelUnavailable, load_library
 
 TILE_K, TILE_N = 32, 16  # inputs per tile row pair block, outputs per tile
-STATUS = {1: "this CPU or kernel has no AMX-BF16 tiles", 2: "a shape that does not fit whole tiles"}
+STATUS = {1: "this CPU has neither AMX-BF16 tiles (granted by the kernel) nor AVX512-BF16",
+          2: "a shape that does not fit whole tiles"}
+KERNEL_AMX, KERNEL_DPBF16 = 1, 2  # amx_linear.c: the bits of splitspec_bf16_kernels, a product's `kernel`
+KERNEL_NAMES = {KERNEL_AMX: "AMX", KERNEL_DPBF16: "AVX512-BF16"}
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _P, _INT, _INT]
+_LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _P, _INT, _INT, _INT]
 
 
 @dataclass(frozen=True)
-class AmxKernels:
+class TileKernels:
     linear: ctypes._CFuncPtr
+    available: frozenset[int]  # KERNEL_AMX and/or KERNEL_DPBF16
 
     @classmethod
-    def load(cls) -> AmxKernels:
-        """Build and load the library and request the tile state; NativeKernelUnavailable if any fails."""
-        return _load_amx()
+    def load(cls) -> TileKernels:
+        """Build and load the library (requesting the AMX tile state where the CPU has tiles);
+        NativeKernelUnavailable if it fails or neither kernel runs here."""
+        return _load_tile_kernels()
+
+    @property
+    def default(self) -> int:
+        """AMX where it runs, else VDPBF16PS: the hardware's rule, not a timing (the two round
+        differently, and outputs must not change from one start to the next)."""
+        return KERNEL_AMX if KERNEL_AMX in self.available else KERNEL_DPBF16
 
 
 @functools.cache
-def _load_amx() -> AmxKernels:
-    if not _cpu_has_amx_bf16():
-        raise NativeKernelUnavailable("this CPU has no AMX-BF16 tiles")
+def _load_tile_kernels() -> TileKernels:
+    if not _cpu_multiplies_bf16():
+        raise NativeKernelUnavailable("this CPU has neither AMX-BF16 tiles nor AVX512-BF16")
     lib = load_library("amx_linear")
-    lib.splitspec_amx_init.argtypes, lib.splitspec_amx_init.restype = [], _INT
-    lib.splitspec_amx_linear.argtypes, lib.splitspec_amx_linear.restype = _LINEAR_ARGS, _INT
-    status = lib.splitspec_amx_init()
-    if status != 0:
-        raise NativeKernelUnavailable(f"AMX tiles: {STATUS.get(status, f'status {status}')} "
-                                      "(the kernel refused the tile state, or the compiler lacks -mamx-bf16)")
-    return AmxKernels(lib.splitspec_amx_linear)
+    lib.splitspec_tiled_linear.argtypes, lib.splitspec_tiled_linear.restype = _LINEAR_ARGS, _INT
+    lib.splitspec_bf16_kernels.argtypes, lib.splitspec_bf16_kernels.restype = [], _INT
+    bits = lib.splitspec_bf16_kernels()
+    available = frozenset(kernel for kernel in KERNEL_NAMES if bits & kernel)
+    if not available:
+        raise NativeKernelUnavailable(f"bfloat16 products: {STATUS[1]} (the kernel refused the tile state, or the "
+                                      "compiler lacks -mavx512bf16)")
+    return TileKernels(lib.splitspec_tiled_linear, available)
 
 
-def _cpu_has_amx_bf16() -> bool:
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+def _cpu_multiplies_bf16() -> bool:
+    """AVX512-BF16 (which every CPU with AMX-BF16 has too), as torch reports it."""
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(check is not None and check() and bf16 is not None and bf16())
+    return bool(bf16 is not None and bf16())
 
 
-def amx_unavailable_reason() -> str | None:
-    """Why the AMX products cannot run here, or None."""
+def tile_kernel_name() -> str:
+    """What the tile-packed products run on here by default; NativeKernelUnavailable where nothing does."""
+    return KERNEL_NAMES[TileKernels.load().default]
+
+
+def tile_kernels_unavailable_reason() -> str | None:
+    """Why the tile-packed bfloat16 products cannot run here, or None."""
     try:
-        AmxKernels.load()
+        TileKernels.load()
     except NativeKernelUnavailable as exc:
         return str(exc)
     return None
@@ -81,31 +103,35 @@ def fits_tiles(linear: nn.Linear) -> bool:
 
 def pack_for_tiles(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] bfloat16 → [out/16, in/32, 16, 16, 2]: for each block of 16 outputs, its tiles of
-    32 inputs with each pair of inputs side by side per output (the order TDPBF16PS reads)."""
+    32 inputs with each pair of inputs side by side per output (the order TDPBF16PS reads, and VDPBF16PS a tile row at a time)."""
     out_features, in_features = weight.shape
     blocks = weight.detach().reshape(out_features // TILE_N, TILE_N, in_features // TILE_K, TILE_K // 2, 2)
     return blocks.permute(0, 2, 3, 1, 4).contiguous()
 
 
-class AmxLinear(nn.Module):
-    """`nn.Linear` in bfloat16 through the AMX kernel. The weight (and bias) stay the layer's own
-    parameters (tied weights stay tied, the state dict is unchanged); the tile-packed copy is not
+class TiledLinear(nn.Module):
+    """`nn.Linear` in bfloat16 through the tile-packed kernel (AMX or AVX512-BF16). The weight (and
+    bias) stay the layer's own parameters (tied weights stay tied, the state dict is unchanged); the tile-packed copy is not
     part of it."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: int | None = None) -> None:
         super().__init__()
+        kernels = TileKernels.load()
+        if kernel is not None and kernel not in kernels.available:
+            raise ValueError(f"the {KERNEL_NAMES.get(kernel, kernel)} product kernel does not run here")
         if not fits_tiles(linear):
-            raise ValueError(f"AMX linear needs a bfloat16 weight of a multiple of {TILE_K} inputs and {TILE_N} "
+            raise ValueError(f"a tiled linear needs a bfloat16 weight of a multiple of {TILE_K} inputs and {TILE_N} "
                              f"outputs, got {linear.in_features}->{linear.out_features} {linear.weight.dtype}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self._linear = AmxKernels.load().linear
+        self._linear = kernels.linear
+        self.kernel = kernels.default if kernel is None else kernel
         self._packed = pack_for_tiles(linear.weight)
         self._packed_address = self._packed.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] → [..., out]
-        # Kept lean: at the demo's sizes the kernel takes 4-8 µs, and every op here adds ~1.
+        # Kept lean: at the demo's sizes the kernel takes 4-15 µs, and every op here adds ~1.
         if x.shape[-1] != self.in_features:
             raise ValueError(f"linear: input of {x.shape[-1]} features for a {self.in_features}->{self.out_features} "
                              "layer")
@@ -113,13 +139,14 @@ class AmxLinear(nn.Module):
             x = x.to(torch.bfloat16).contiguous()
         out = x.new_empty(x.shape[:-1] + (self.out_features,))  # [..., out]
         status = self._linear(x.data_ptr(), x.numel() // self.in_features, self.in_features, self._packed_address,
-                              self.out_features, out.data_ptr(), 0, torch.get_num_threads())
+                              self.out_features, out.data_ptr(), 0, torch.get_num_threads(), self.kernel)
         if status != 0:
-            raise RuntimeError(f"AMX linear: {STATUS.get(status, f'status {status}')}")
+            raise RuntimeError(f"tiled linear: {STATUS.get(status, f'status {status}')}")
         if self.bias is not None:
             out += self.bias
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={KERNEL_NAMES[self.kernel]}")
 

@@ -354,17 +354,17 @@ class DFlashDraftModel(FeatureHead):
 
     def use_native(self, embed: torch.Tensor) -> str | None:
         """Run the block through the draft layers in one native call (common/native_forward.py)
-        where its products run on AMX tiles, and new context rows' K/V in another
+        where its products run tile-packed (AMX or AVX512-BF16), and new context rows' K/V in another
         (`NativeForward.context_kv`); why not, or None. A step runs them where the pool's pages
         and the attention backend allow (`NativeForward.runs` / `writes`), else eagerly."""
         from common.native_attention import NativeCpuAttentionBackend
         from common.native_forward import NativeForward, native_forward_problem
-        from common.native_linear import AmxLinear
+        from common.native_linear import TiledLinear
 
         stack = self.decoder_stack(embed)
         problem = native_forward_problem(stack, torch.bfloat16, NativeCpuAttentionBackend, batch_invariant=False)
-        if problem is None and not isinstance(self.fc, AmxLinear):
-            problem = "its fc does not run on AMX tiles"
+        if problem is None and not isinstance(self.fc, TiledLinear):
+            problem = "its fc does not run tile-packed"
         if problem is None:
             self.native_block = NativeForward(stack)
         return problem

@@ -25,6 +25,8 @@ from common.cpu_linear import cpu_target_dtype, pack_cpu_linears
 from common.dtypes import config_dtype, resolve_model_dtype
 from common.invariant_attention import make_batch_invariant
 from common.kv_pool import PagePool, remove_stale_shm_files
+from common.native_attention import NativeCpuAttentionBackend
+from common.native_linear import tile_kernel_name
 from common.pool_transport import check_ipc_allocator
 from common.weights import load_config, resolve_model_path
 from target_service.api_types import ModelInfo
@@ -57,7 +59,7 @@ def build_engine_core(config: EngineConfig, drafter_stub=None) -> EngineCore:
     model = Qwen3ForCausalLM.from_pretrained(model_path, dtype=dtype, device=device)
     # the native forward needs every product on tiles (the step is one call; see pack_cpu_linears)
     pack_cpu_linears(model, log, whole_forward_on_tiles=config.native_forward and dtype == torch.bfloat16)
-    batch_invariant = _batch_invariant(model, dtype, device)
+    batch_invariant = _batch_invariant(config, model, dtype, device)
     compile_config = config.compile
     if batch_invariant and compile_config.enabled:
         log.warning("--compile is off for this %s target: its compiled segments differ by bucket, and a verify "
@@ -116,17 +118,19 @@ def _native_forward(config: EngineConfig, model, layout, backend_cls: type) -> b
     if problem is not None:
         log.info("native forward off: %s", problem)
         return False
-    log.info("native forward on: each step is one call (products on AMX tiles, attention, norms, RoPE in C)")
+    log.info("native forward on: each step is one call (products on %s, attention, norms, RoPE in C)", tile_kernel_name())
     return True
 
 
-def _batch_invariant(model, dtype: torch.dtype, device: torch.device) -> bool:
+def _batch_invariant(config: EngineConfig, model, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this target runs the batch-invariant attention: in a reduced precision on a CPU,
     where its rows would otherwise round differently in a verify than in a decode
-    (docs/design.md#lossless-in-bfloat16), if the probe finds its products invariant here."""
+    (docs/design.md#lossless-in-bfloat16), if the probe finds its products (and, where it
+    attends through torch, torch's attention) invariant here."""
     if device.type != "cpu" or dtype == torch.float32:
         return False
-    problem = make_batch_invariant(model)
+    native_attention = issubclass(choose_backend(config, model, device, True), NativeCpuAttentionBackend)
+    problem = make_batch_invariant(model, torch_attention=not native_attention)
     if problem is not None:
         log.warning("batch-invariant attention off: %s on this CPU; speculative output equals target-only "
                     "up to %s rounding, not bit for bit", problem, dtype)

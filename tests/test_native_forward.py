@@ -15,13 +15,13 @@ from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import build_layout
 from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
 from common.native_forward import NativeForward, native_forward_problem, rounded_to_bf16
-from common.native_linear import amx_unavailable_reason
+from common.native_linear import tile_kernels_unavailable_reason
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
 
 log = logging.getLogger(__name__)
-AMX_MISSING = amx_unavailable_reason()
-pytestmark = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX products here: {AMX_MISSING}")
+TILES_MISSING = tile_kernels_unavailable_reason()
+pytestmark = pytest.mark.skipif(TILES_MISSING is not None, reason=f"no tile-packed bfloat16 products here: {TILES_MISSING}")
 PAGE_SIZE = 16
 # q rounded to bfloat16 (2^-9 relative) through two layers; 2.7-3.6e-3 measured
 TILED_TOLERANCE = 1e-2
@@ -29,7 +29,7 @@ TILED_TOLERANCE = 1e-2
 
 def _on_tiles(kernel: str, rows: int, call) -> float:
     call()
-    return 1e-6 if kernel == "amx" else 2e-6  # seconds: the AMX kernel "measures" faster
+    return 1e-6 if kernel == "tiles" else 2e-6  # seconds: the tiled kernel "measures" faster
 
 
 def _packed_model(path):
@@ -230,7 +230,7 @@ def test_where_the_native_forward_cannot_run_it_says_why(model, tmp_path):
     assert "batch-invariant native" in native_forward_problem(decoder_stack(model), torch.bfloat16, NativeCpuAttentionBackend)
     float32 = Qwen3ForCausalLM.from_pretrained(make_qwen3(tmp_path / "f"), torch.float32, "cpu")
     pack_cpu_linears(float32, log)
-    assert "AMX tiles" in native_forward_problem(decoder_stack(float32), torch.float32, BatchInvariantNativeBackend)
+    assert "tile-packed" in native_forward_problem(decoder_stack(float32), torch.float32, BatchInvariantNativeBackend)
 
 
 def test_dflash_context_and_block_in_native_calls_compute_what_torch_does(spec_models):

@@ -1,4 +1,4 @@
-"""bfloat16 products on AMX tiles (common/native_linear.py): what `F.linear` computes, each row's
+"""bfloat16 products, tile-packed on AMX or AVX512-BF16 (common/native_linear.py): what `F.linear` computes, each row's
 bits independent of the row count, chosen against oneDNN by measurement, and a clear refusal
 where the CPU or the compiler cannot run it."""
 
@@ -11,13 +11,33 @@ import torch
 from torch import nn
 
 from common.cpu_linear import PackedLinear, TileChoice, pack_cpu_linears
-from common.native_linear import AmxLinear, _load_amx, amx_unavailable_reason, pack_for_tiles
+from common.native_linear import (
+    KERNEL_AMX,
+    KERNEL_DPBF16,
+    KERNEL_NAMES,
+    TiledLinear,
+    TileKernels,
+    _load_tile_kernels,
+    pack_for_tiles,
+    tile_kernels_unavailable_reason,
+)
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
 
 log = logging.getLogger(__name__)
-AMX_MISSING = amx_unavailable_reason()
-needs_amx = pytest.mark.skipif(AMX_MISSING is not None, reason=f"no AMX products here: {AMX_MISSING}")
+TILES_MISSING = tile_kernels_unavailable_reason()
+needs_tiles = pytest.mark.skipif(TILES_MISSING is not None, reason=f"no tile-packed bfloat16 products here: {TILES_MISSING}")
+
+
+def _kernels() -> list:
+    """Each product kernel this machine runs (AMX and VDPBF16PS on a CPU with AMX; VDPBF16PS alone on
+    one with AVX512-BF16 only), so every test below covers each."""
+    if TILES_MISSING is not None:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no tile-packed bfloat16 products here: {TILES_MISSING}"))]
+    return [pytest.param(kernel, id=KERNEL_NAMES[kernel]) for kernel in sorted(TileKernels.load().available)]
+
+
+KERNELS = _kernels()
 
 
 def _layer(in_features: int = 96, out_features: int = 160, bias: bool = False, seed: int = 0) -> nn.Linear:
@@ -33,98 +53,120 @@ def test_the_weight_is_packed_in_tile_order():
         assert packed[block, k_block, pair, n, j] == weight[block * 16 + n, k_block * 32 + 2 * pair + j]
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 9, 16, 17, 100, 513])
-def test_amx_linear_computes_what_f_linear_does(bias, rows):
+@pytest.mark.parametrize("rows", [1, 9, 12, 13, 16, 17, 100, 513])
+def test_tiled_linear_computes_what_f_linear_does(bias, rows, kernel):
     linear = _layer(bias=bias)
-    amx = AmxLinear(linear)
+    tiled = TiledLinear(linear, kernel)
     x = torch.randn(rows, 96).to(torch.bfloat16)
     with torch.inference_mode():
-        got, expected = amx(x), linear(x)
+        got, expected = tiled(x), linear(x)
         stacked = torch.randn(3, rows, 96).to(torch.bfloat16)  # [B, T, in]: any leading shape
-        got_stacked, expected_stacked = amx(stacked), linear(stacked)
+        got_stacked, expected_stacked = tiled(stacked), linear(stacked)
     assert got.dtype == torch.bfloat16 and got_stacked.shape == (3, rows, 160)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got_stacked.float(), expected_stacked.float(), rtol=2e-2, atol=2e-2)
 
 
-@needs_amx
-def test_a_row_has_the_same_bits_whatever_the_row_count():
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("out_f32", [False, True])
+def test_a_row_has_the_same_bits_whatever_the_row_count(kernel, out_f32):
     """What lossless bfloat16 needs: a row computed alone (a decode), among 9 (a verify), in a
-    batch or a long prefill gets the same bits; an odd block of outputs included (80 = 5 × 16)."""
-    amx = AmxLinear(_layer(64, 80))
+    batch or a long prefill gets the same bits; an odd block of outputs included (80 = 5 × 16),
+    row counts on both sides of each kernel's row blocks (16 on AMX tiles, 12 with VDPBF16PS), in
+    bfloat16 and in float32 (what the native forward reads)."""
+    tiled = TiledLinear(_layer(64, 80), kernel)
     x = torch.randn(300, 64).to(torch.bfloat16)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        if not out_f32:
+            return tiled(rows)
+        out = torch.empty(rows.shape[0], 80)
+        assert tiled._linear(rows.data_ptr(), rows.shape[0], 64, tiled._packed_address, 80, out.data_ptr(), 1, 2,
+                             tiled.kernel) == 0
+        return out
+
     with torch.inference_mode():
-        alone = torch.cat([amx(x[r : r + 1]) for r in range(x.shape[0])])
-        for rows in (2, 9, 15, 16, 17, 33, 300):
-            assert torch.equal(amx(x[:rows]), alone[:rows]), rows
-        assert torch.equal(amx(x[100:109]), alone[100:109])
+        alone = torch.cat([product(x[r : r + 1]) for r in range(x.shape[0])])
+        for rows in (2, 9, 11, 12, 13, 15, 16, 17, 24, 25, 33, 300):
+            assert torch.equal(product(x[:rows]), alone[:rows]), rows
+        assert torch.equal(product(x[100:109]), alone[100:109])
 
 
-@needs_amx
-def test_threads_do_not_change_the_bits():
-    amx = AmxLinear(_layer(64, 512))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_threads_do_not_change_the_bits(kernel):
+    tiled = TiledLinear(_layer(64, 512), kernel)
     x = torch.randn(9, 64).to(torch.bfloat16)
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():
             torch.set_num_threads(1)
-            one = amx(x)
+            one = tiled(x)
             torch.set_num_threads(max(2, threads))
-            assert torch.equal(amx(x), one)
+            assert torch.equal(tiled(x), one)
     finally:
         torch.set_num_threads(threads)
 
 
-@needs_amx
+@needs_tiles
 def test_shapes_that_do_not_fit_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="multiple of 32 inputs and 16 outputs, got 40->160"):
-        AmxLinear(_layer(40, 160))
+        TiledLinear(_layer(40, 160))
     with pytest.raises(ValueError, match="multiple of 32 inputs"):
-        AmxLinear(nn.Linear(64, 64))  # float32
-    amx = AmxLinear(_layer())
+        TiledLinear(nn.Linear(64, 64))  # float32
+    tiled = TiledLinear(_layer())
     with pytest.raises(ValueError, match="input of 64 features for a 96->160 layer"):
-        amx(torch.randn(2, 64).to(torch.bfloat16))
+        tiled(torch.randn(2, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="the 7 product kernel does not run here"):
+        TiledLinear(_layer(), kernel=7)
 
 
-def _pack_with_timings(model: nn.Module, amx_faster: bool) -> None:
+@needs_tiles
+def test_the_default_kernel_is_amx_where_it_runs_else_vdpbf16ps():
+    kernels = TileKernels.load()
+    assert TiledLinear(_layer()).kernel == kernels.default
+    assert kernels.default == (KERNEL_AMX if KERNEL_AMX in kernels.available else KERNEL_DPBF16)
+    assert KERNEL_DPBF16 in kernels.available  # every CPU with AMX-BF16 has AVX512-BF16 too
+
+
+def _pack_with_timings(model: nn.Module, tiles_faster: bool) -> None:
     def timer(kernel: str, rows: int, call) -> float:
         call()  # the candidate really runs
-        return 1e-6 if (kernel == "amx") == amx_faster else 2e-6  # seconds
+        return 1e-6 if (kernel == "tiles") == tiles_faster else 2e-6  # seconds
 
     pack_cpu_linears(model, log, timer=timer)
 
 
-@needs_amx
-@pytest.mark.parametrize("amx_faster", [True, False])
-def test_the_bfloat16_kernel_follows_the_measurement(amx_faster, caplog):
+@needs_tiles
+@pytest.mark.parametrize("tiles_faster", [True, False])
+def test_the_bfloat16_kernel_follows_the_measurement(tiles_faster, caplog):
     model = nn.Sequential(_layer(96, 160), _layer(96, 160, seed=1), _layer(40, 48))
     with caplog.at_level(logging.INFO):
-        _pack_with_timings(model, amx_faster)
-    expected = AmxLinear if amx_faster else PackedLinear
+        _pack_with_timings(model, tiles_faster)
+    expected = TiledLinear if tiles_faster else PackedLinear
     assert type(model[0]) is expected and type(model[1]) is expected
-    assert type(model[2]) is PackedLinear  # 40 inputs fit no tile: never AMX
-    winner = "amx" if amx_faster else "packed"
-    assert f"96->160: AMX {1.0 if amx_faster else 2.0:.1f}/" in caplog.text and f"at 1/9/16 rows: {winner}" in caplog.text
+    assert type(model[2]) is PackedLinear  # 40 inputs fit no tile: never tiled
+    winner = "tiles" if tiles_faster else "packed"
+    assert f"96->160: tiles {1.0 if tiles_faster else 2.0:.1f}/" in caplog.text and f"at 1/9/16 rows: {winner}" in caplog.text
     assert "bfloat16 kernel measured per shape" in caplog.text
 
 
 def test_a_tile_choice_takes_the_faster_over_the_timed_counts():
-    choice = TileChoice(384, 384, amx_us={1: 5.0, 9: 30.0}, packed_us={1: 20.0, 9: 20.0})
-    assert choice.kernel == "amx"  # 35 against 40 µs
-    choice.amx_us[9] = 40.0
+    choice = TileChoice(384, 384, tiled_us={1: 5.0, 9: 30.0}, packed_us={1: 20.0, 9: 20.0})
+    assert choice.kernel == "tiles"  # 35 against 40 µs
+    choice.tiled_us[9] = 40.0
     assert choice.kernel == "packed"
 
 
-@needs_amx
-def test_a_model_on_amx_keeps_its_parameters_state_dict_and_ties(tmp_path):
+@needs_tiles
+def test_a_tiled_model_keeps_its_parameters_state_dict_and_ties(tmp_path):
     path = make_qwen3(tmp_path / "m", tie_word_embeddings=True)  # every tiny shape fits whole tiles
     model = Qwen3ForCausalLM.from_pretrained(path, torch.bfloat16, "cpu")
     reference = Qwen3ForCausalLM.from_pretrained(path, torch.bfloat16, "cpu")
     keys = set(model.state_dict())
-    _pack_with_timings(model, amx_faster=True)
-    assert any(isinstance(m, AmxLinear) for m in model.modules())
+    _pack_with_timings(model, tiles_faster=True)
+    assert any(isinstance(m, TiledLinear) for m in model.modules())
     assert set(model.state_dict()) == keys
     assert model.lm_head.weight is model.model.embed_tokens.weight
     hidden = torch.randn(12, model.hidden_size).to(torch.bfloat16)
@@ -137,19 +179,19 @@ def test_without_a_compiler_bfloat16_stays_with_onednn_and_says_why(tmp_path, mo
     monkeypatch.setenv("SPLITSPEC_KERNEL_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
-    _load_amx.cache_clear()
+    _load_tile_kernels.cache_clear()
     try:
         model = nn.Sequential(_layer(96, 160))
         with caplog.at_level(logging.INFO):
             pack_cpu_linears(model, log)
-        assert not isinstance(model[0], AmxLinear)
-        reason = amx_unavailable_reason()
-        assert reason is not None and ("no C compiler" in reason or "no AMX-BF16" in reason)
+        assert not isinstance(model[0], TiledLinear)
+        reason = tile_kernels_unavailable_reason()
+        assert reason is not None and ("no C compiler" in reason or "neither AMX-BF16" in reason)
     finally:
-        _load_amx.cache_clear()
+        _load_tile_kernels.cache_clear()
 
 
-@needs_amx
+@needs_tiles
 def test_a_forward_run_in_one_call_puts_every_fitting_product_on_tiles_untimed(caplog):
     """The native forward needs every product on tiles: no product-by-product race (which a busy
     machine once lost for one layer, and with it the whole step's native call)."""
@@ -160,5 +202,5 @@ def test_a_forward_run_in_one_call_puts_every_fitting_product_on_tiles_untimed(c
 
     with caplog.at_level(logging.INFO):
         pack_cpu_linears(model, log, timer=onednn_faster, whole_forward_on_tiles=True)
-    assert type(model[0]) is AmxLinear and type(model[1]) is PackedLinear  # 40 inputs fit no tile
+    assert type(model[0]) is TiledLinear and type(model[1]) is PackedLinear  # 40 inputs fit no tile
     assert "the forward runs in one native call" in caplog.text

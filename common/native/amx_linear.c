@@ -1,26 +1,39 @@
-// bfloat16 products y = x · Wᵀ on AMX tiles, for the small row counts a decode, a verify and a
-// batch run at (common/native_linear.py).
+// bfloat16 products y = x · Wᵀ for the small row counts a decode, a verify and a batch run at
+// (common/native_linear.py), on AMX tiles where the CPU has them, else with AVX512-BF16's
+// VDPBF16PS on the same packed weight.
 //
 // The weight is packed once at load into the tile layout TDPBF16PS reads (VNNI pairs):
 //   packed[n_block][k_block][k_pair (16)][n (16)][2] = W[n_block*16 + n][k_block*32 + 2*k_pair + j]
-// so each 16-output block streams its tiles in order, 1 KiB each. Every output element is one
-// TDPBF16PS chain over k in the same order whatever the row count and whatever rows sit beside
-// it in a tile, and rows are stored one by one: a row's bits do not depend on the batch (the
-// lossless bfloat16 mode needs exactly that), and one row costs about what 16 do.
+// so each 16-output block streams its tiles in order, 1 KiB each. One 64-byte row of a tile is
+// one input pair for 16 outputs: what VDPBF16PS multiplies by a broadcast pair of one row's
+// inputs. Either way every output element is one chain over k in the same order whatever the
+// row count and whatever rows sit beside it, and rows are stored one by one: a row's bits do not
+// depend on the batch (the lossless bfloat16 mode needs exactly that). The caller names the
+// kernel per call (its default is the CPU's, not a timing: the two chains round differently, and
+// a choice that flipped between starts would change a deployment's outputs).
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_AMX 1
 #else
 #define HAVE_AMX 0
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 
 enum { AMX_OK = 0, AMX_MISSING = 1, AMX_BAD_SHAPE = 2 };
+// the products' kernels (bits of splitspec_bf16_kernels)
+enum { KERNEL_NONE = 0, KERNEL_AMX = 1, KERNEL_DPBF16 = 2 };
 enum { TILE_ROWS = 16, TILE_K = 32, TILE_N = 16, N_PER_STEP = 2 };
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -33,6 +46,16 @@ int splitspec_amx_init(void) {
 #else
     return AMX_MISSING;
 #endif
+}
+
+// The kernels that run here, as bits: AMX where this build has it and Linux grants the tile state
+// (requested here, for the process), VDPBF16PS where the build has AVX512-BF16.
+int splitspec_bf16_kernels(void) {
+    return (splitspec_amx_init() == AMX_OK ? KERNEL_AMX : 0) | (HAVE_DPBF16 ? KERNEL_DPBF16 : 0);
+}
+
+static inline int kernel_runs(int kernel) {
+    return (kernel == KERNEL_AMX && HAVE_AMX) || (kernel == KERNEL_DPBF16 && HAVE_DPBF16);
 }
 
 #if HAVE_AMX
@@ -111,12 +134,84 @@ static void rows_against_blocks(const uint16_t *x, int rows, int64_t k, const ui
 }
 #endif
 
+#if HAVE_DPBF16
+enum { DP_MAX_ROWS = 12 };  // 2 blocks x 12 rows = 24 accumulators of the 32 vector registers
+
+// Rows x 2 output blocks (16 outputs each) over all of k: for each input pair, the two blocks'
+// 64-byte weight rows once, against each row's pair broadcast. ROWS is a constant where it is
+// inlined, so the accumulators stay in registers; a row's chain is the same for every ROWS.
+static inline __attribute__((always_inline)) void dp_rows_two_blocks(
+        const uint16_t *x, int64_t k, const uint16_t *w0, const uint16_t *w1, float *y, int64_t n,
+        int64_t column, const int ROWS, const int both, int out_f32) {
+    __m512 acc0[DP_MAX_ROWS], acc1[DP_MAX_ROWS];
+    for (int r = 0; r < ROWS; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        // pair p is k_block p/16, k_pair p%16: 64 bytes at element 32 * p of the block's run
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + 32 * p);
+        const __m512bh b1 = both ? (__m512bh)_mm512_loadu_si512(w1 + 32 * p) : b0;
+        for (int r = 0; r < ROWS; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * k + 2 * p, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
+            if (both) acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        for (int b = 0; b < 1 + both; b++) {
+            const __m512 values = b ? acc1[r] : acc0[r];
+            if (out_f32) {
+                _mm512_storeu_ps(y + r * n + column + b * TILE_N, values);
+            } else {
+                __m256bh rounded = _mm512_cvtneps_pbh(values);
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * n + column + b * TILE_N), (__m256i)rounded);
+            }
+        }
+    }
+}
+
+#define DP_CASE(R)                                                                                      \
+    case R:                                                                                             \
+        if (both) dp_rows_two_blocks(x, k, w0, w1, y, n, column, R, 1, out_f32);                         \
+        else dp_rows_two_blocks(x, k, w0, w1, y, n, column, R, 0, out_f32);                              \
+        break;
+
+// y rows [0, rows) at `column`: `rows` ≤ DP_MAX_ROWS rows against one or two output blocks. y is
+// float32 or bfloat16 (out_f32); its address arithmetic is in elements of that type.
+static void dp_block(const uint16_t *x, int rows, int64_t k, const uint16_t *w0, const uint16_t *w1, void *y_any,
+                     int64_t n, int64_t column, int both, int out_f32) {
+    float *y = y_any;  // an element offset into y is taken per type inside (see the stores)
+    switch (rows) {
+        DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6)
+        DP_CASE(7) DP_CASE(8) DP_CASE(9) DP_CASE(10) DP_CASE(11) DP_CASE(12)
+        default: break;
+    }
+}
+
+// Output blocks [first, last) of the packed weight for all m rows, DP_MAX_ROWS rows at a time.
+static void dp_rows_against_blocks(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t first,
+                                   int64_t last, void *y, int64_t n, int out_f32) {
+    const int64_t block_elems = (int64_t)TILE_N * k;  // one 16-output block over all of k
+    for (int64_t nb = first; nb < last; nb += N_PER_STEP) {
+        const int both = nb + 1 < last;
+        const uint16_t *w0 = packed + nb * block_elems, *w1 = w0 + block_elems;
+        for (int64_t r0 = 0; r0 < m; r0 += DP_MAX_ROWS) {
+            const int rows = (int)(m - r0 < DP_MAX_ROWS ? m - r0 : DP_MAX_ROWS);
+            void *y_rows = out_f32 ? (void *)((float *)y + r0 * n) : (void *)((uint16_t *)y + r0 * n);
+            dp_block(x + r0 * k, rows, k, w0, w1, y_rows, n, nb * TILE_N, both, out_f32);
+        }
+    }
+}
+#endif
+
 // y[m, n] = x[m, k] · W[n, k]ᵀ, x bfloat16 (rows contiguous), W packed as above, y bfloat16 or
 // float32. k a multiple of 32, n of 16. Output blocks are split between the OpenMP threads in
-// pairs; each thread runs every row block against its own.
-int splitspec_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, void *y,
-                         int out_f32, int max_threads) {
-#if HAVE_AMX
+// pairs; each thread runs every row against its own, on `kernel` (KERNEL_AMX only once
+// splitspec_bf16_kernels has reported it: the tile state is requested there).
+int splitspec_tiled_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, void *y,
+                           int out_f32, int max_threads, int kernel) {
+    if (!kernel_runs(kernel)) return AMX_MISSING;
     if (m < 0 || k <= 0 || n <= 0 || k % TILE_K || n % TILE_N) return AMX_BAD_SHAPE;
     if (m == 0) return AMX_OK;
     const int64_t n_blocks = n / TILE_N, pairs = (n_blocks + 1) / 2;
@@ -127,21 +222,25 @@ int splitspec_amx_linear(const uint16_t *x, int64_t m, int64_t k, const uint16_t
         const int team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = 2 * (pairs * me / team), last_pair = pairs * (me + 1) / team;
         const int64_t last = 2 * last_pair < n_blocks ? 2 * last_pair : n_blocks;
-        int configured = -1;
-        for (int64_t r0 = 0; r0 < m && first < last; r0 += TILE_ROWS) {
-            const int rows = (int)(m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS);
-            if (rows != configured) {
-                configure_tiles(rows);
-                configured = rows;
+#if HAVE_AMX
+        if (kernel == KERNEL_AMX) {
+            int configured = -1;
+            for (int64_t r0 = 0; r0 < m && first < last; r0 += TILE_ROWS) {
+                const int rows = (int)(m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS);
+                if (rows != configured) {
+                    configure_tiles(rows);
+                    configured = rows;
+                }
+                void *y_rows = out_f32 ? (void *)((float *)y + r0 * n) : (void *)((uint16_t *)y + r0 * n);
+                rows_against_blocks(x + r0 * k, rows, k, packed, first, last, y_rows, n, out_f32);
             }
-            void *y_rows = out_f32 ? (void *)((float *)y + r0 * n) : (void *)((uint16_t *)y + r0 * n);
-            rows_against_blocks(x + r0 * k, rows, k, packed, first, last, y_rows, n, out_f32);
+            if (configured >= 0) _tile_release();
         }
-        if (configured >= 0) _tile_release();
+#endif
+#if HAVE_DPBF16
+        if (kernel == KERNEL_DPBF16 && first < last) dp_rows_against_blocks(x, m, k, packed, first, last, y, n, out_f32);
+#endif
+        (void)kernel, (void)first, (void)last;
     }
     return AMX_OK;
-#else
-    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)y, (void)out_f32, (void)max_threads;
-    return AMX_MISSING;
-#endif
 }

@@ -1,5 +1,5 @@
 // A Qwen3 / Llama decoder stack's forward in one native call per step (common/native_forward.py):
-// the products on AMX tiles (amx_linear.c), the paged attention and KV writes of
+// the products on AMX tiles or AVX512-BF16 (amx_linear.c), the paged attention and KV writes of
 // paged_attention.c, and everything between them (RMSNorm, q/k norms, RoPE, SiLU, residuals) as
 // row loops here. Each op is one OpenMP region over the step's rows or outputs; nothing goes
 // back to Python between them.
@@ -13,13 +13,14 @@
 
 #include <math.h>
 
-// statuses: the attention's own (1-4), these, and an AMX product's offset by AMX_STATUS
-enum { FWD_OK = 0, FWD_BAD_SLOT = 11, FWD_BAD_POSITION = 12, FWD_NO_MEMORY = 13, FWD_NO_AMX = 15, FWD_BAD_SHAPE = 16, AMX_STATUS = 20 };
+// statuses: the attention's own (1-4), these, and a product's offset by PRODUCT_STATUS
+enum { FWD_OK = 0, FWD_BAD_SLOT = 11, FWD_BAD_POSITION = 12, FWD_NO_MEMORY = 13, FWD_NO_PRODUCTS = 15, FWD_BAD_SHAPE = 16,
+       PRODUCT_STATUS = 20 };
 
 #define PRODUCT(...)                              \
     do {                                          \
-        const int amx = splitspec_amx_linear(__VA_ARGS__); \
-        if (amx != AMX_OK) status = AMX_STATUS + amx; \
+        const int product = splitspec_tiled_linear(__VA_ARGS__, d->product_kernel); \
+        if (product != AMX_OK) status = PRODUCT_STATUS + product; \
     } while (0)
 
 typedef struct {
@@ -39,6 +40,7 @@ typedef struct {
     int32_t kv_kind;
     int64_t capture_stride;  // elements from one captured row to the next
     int32_t capture_kind;    // KV_F32 or KV_BF16: the captures' element type
+    int32_t product_kernel;  // KERNEL_AMX or KERNEL_DPBF16 (amx_linear.c), for every product
 } Decoder;
 
 static inline uint16_t round_to_bf16(float value) {  // nearest even, as torch rounds
@@ -53,7 +55,7 @@ static inline uint16_t round_to_bf16(float value) {  // nearest even, as torch r
 // bits: VCVTNEPS2BF16 would flush denormals, which torch's rounding keeps).
 static inline void floats_to_bf16(const float *x, uint16_t *out, int64_t n) {
     int64_t i = 0;
-#if HAVE_AMX
+#if defined(__AVX512F__)
     const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x40);
     const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), infinity = _mm512_set1_epi32(0x7f800000);
     for (; i + 16 <= n; i += 16) {
@@ -259,7 +261,7 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
                               const float *rope, int64_t rope_positions, const int64_t *positions,
                               const int32_t *page_table, int64_t table_len, int64_t num_seqs, const int32_t *row_start,
                               const int32_t *row_keys, const int64_t *slots, int threads) {
-    if (!HAVE_AMX) return FWD_NO_AMX;
+    if (!kernel_runs(d->product_kernel)) return FWD_NO_PRODUCTS;
     if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16) ||
         d->kv_heads < 1 || d->q_heads % d->kv_heads || (d->capture_kind != KV_F32 && d->capture_kind != KV_BF16) ||
         d->capture_stride < d->hidden)
@@ -281,7 +283,7 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     float *queries = malloc(sizeof(float) * (size_t)(rows * q_width));
     float *attended = malloc(sizeof(float) * (size_t)(rows * q_width));
     float *delta = malloc(sizeof(float) * (size_t)(rows * hidden));
-    const int tiles = tile_attention_fits(d);
+    const int tiles = d->product_kernel == KERNEL_AMX && tile_attention_fits(d);  // scores on AMX tiles
     const int64_t scratch_floats = tiles ? tile_attention_scratch(d, most) : 0;
     float *scratch = tiles ? malloc(sizeof(float) * (size_t)(threads * scratch_floats)) : NULL;
     int status = FWD_OK;
@@ -333,12 +335,12 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
 
 // DFlash's context rows: features [T, F] bfloat16 (the target's hidden states, side by side) →
 // rms_norm(features · fcᵀ) · hidden_norm, then every layer's K (k norm, RoPE) and V from that,
-// written at slots[t]. (The q part of each stacked product is computed and dropped: on tiles
+// written at slots[t]. (The q part of each stacked product is computed and dropped: on AMX tiles
 // it costs next to nothing.)
 int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uint16_t *features, int64_t width,
                          const uint16_t *fc, const float *hidden_norm, int64_t rows, const float *rope,
                          int64_t rope_positions, const int64_t *positions, const int64_t *slots, int threads) {
-    if (!HAVE_AMX) return FWD_NO_AMX;
+    if (!kernel_runs(d->product_kernel)) return FWD_NO_PRODUCTS;
     if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16))
         return FWD_BAD_SHAPE;
     const int rows_status = checked_rows(d, slots, positions, rows, rope_positions);

@@ -20,6 +20,7 @@ from common.attention_metadata import AttentionMetadata, slot_of
 from common.compiled_forward import CompileConfig
 from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import CacheConfig, LayerSpec
+from common.native_linear import tile_kernel_name
 from common.qwen3 import Qwen3ForCausalLM
 from draft_service.dflash_model import DFlashDraftModel, NewContext, TargetHeads
 from draft_service.drafters.base import DraftSequence, FeatureDrafter, ProposeItem, TargetInfo
@@ -54,7 +55,7 @@ class DFlashDrafter(FeatureDrafter):
         elif model.dtype == torch.bfloat16 and (problem := model.use_native(heads.model.embed_tokens.weight)):
             log.info("DFlash block: torch forward (the native one cannot run: %s)", problem)
         elif model.native_block is not None:
-            log.info("DFlash block: one native call per Propose (products on AMX tiles)")
+            log.info("DFlash block: one native call per Propose (products on %s)", tile_kernel_name())
 
     def compile_config(self) -> CompileConfig:
         """Buckets for DFlash's steps, in rows: 1, 2, 4 and 8 blocks of K+1 (a step's blocks, and
