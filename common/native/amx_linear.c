@@ -135,71 +135,75 @@ static void rows_against_blocks(const uint16_t *x, int rows, int64_t k, const ui
 #endif
 
 #if HAVE_DPBF16
-enum { DP_MAX_ROWS = 12 };  // 2 blocks x 12 rows = 24 accumulators of the 32 vector registers
+enum { DP_MAX_ROWS = 12, DP_MAX_ACC = 24 };  // accumulators kept in the 32 vector registers
 
-// Rows x 2 output blocks (16 outputs each) over all of k: for each input pair, the two blocks'
-// 64-byte weight rows once, against each row's pair broadcast. ROWS is a constant where it is
-// inlined, so the accumulators stay in registers; a row's chain is the same for every ROWS.
-static inline __attribute__((always_inline)) void dp_rows_two_blocks(
-        const uint16_t *x, int64_t k, const uint16_t *w0, const uint16_t *w1, float *y, int64_t n,
-        int64_t column, const int ROWS, const int both, int out_f32) {
-    __m512 acc0[DP_MAX_ROWS], acc1[DP_MAX_ROWS];
-    for (int r = 0; r < ROWS; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+// `rows` rows × `blocks` 16-output blocks over all of k: for each input pair, each block's 64-byte
+// weight row once, against each row's pair broadcast. ROWS and BLOCKS are constants where this
+// is inlined, so the accumulators stay in registers. An output's chain over the pairs is the
+// same whatever ROWS and BLOCKS are: they only decide how many independent chains run side by
+// side (a lone row takes 8 blocks, else one VDPBF16PS chain would wait on the last's latency).
+static inline __attribute__((always_inline)) void dp_tile(const uint16_t *x, int64_t k, const uint16_t *w,
+                                                          int64_t block_elems, void *y, int64_t n, int64_t column,
+                                                          const int ROWS, const int BLOCKS, int out_f32) {
+    __m512 acc[DP_MAX_ACC];
+    for (int a = 0; a < ROWS * BLOCKS; a++) acc[a] = _mm512_setzero_ps();
     const int64_t pairs = k / 2;
     for (int64_t p = 0; p < pairs; p++) {
-        // pair p is k_block p/16, k_pair p%16: 64 bytes at element 32 * p of the block's run
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + 32 * p);
-        const __m512bh b1 = both ? (__m512bh)_mm512_loadu_si512(w1 + 32 * p) : b0;
+        // pair p is k_block p/16, k_pair p%16: 64 bytes at element 32 * p of each block's run
+        __m512bh b[8];
+        for (int j = 0; j < BLOCKS; j++) b[j] = (__m512bh)_mm512_loadu_si512(w + j * block_elems + 32 * p);
         for (int r = 0; r < ROWS; r++) {
             int32_t pair;
             memcpy(&pair, x + r * k + 2 * p, sizeof pair);
             const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
-            if (both) acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+            for (int j = 0; j < BLOCKS; j++) acc[r * BLOCKS + j] = _mm512_dpbf16_ps(acc[r * BLOCKS + j], a, b[j]);
         }
     }
     for (int r = 0; r < ROWS; r++) {
-        for (int b = 0; b < 1 + both; b++) {
-            const __m512 values = b ? acc1[r] : acc0[r];
+        for (int j = 0; j < BLOCKS; j++) {
+            const int64_t at = r * n + column + j * TILE_N;
             if (out_f32) {
-                _mm512_storeu_ps(y + r * n + column + b * TILE_N, values);
+                _mm512_storeu_ps((float *)y + at, acc[r * BLOCKS + j]);
             } else {
-                __m256bh rounded = _mm512_cvtneps_pbh(values);
-                _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * n + column + b * TILE_N), (__m256i)rounded);
+                __m256bh rounded = _mm512_cvtneps_pbh(acc[r * BLOCKS + j]);
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), (__m256i)rounded);
             }
         }
     }
 }
 
-#define DP_CASE(R)                                                                                      \
-    case R:                                                                                             \
-        if (both) dp_rows_two_blocks(x, k, w0, w1, y, n, column, R, 1, out_f32);                         \
-        else dp_rows_two_blocks(x, k, w0, w1, y, n, column, R, 0, out_f32);                              \
-        break;
-
-// y rows [0, rows) at `column`: `rows` ≤ DP_MAX_ROWS rows against one or two output blocks. y is
-// float32 or bfloat16 (out_f32); its address arithmetic is in elements of that type.
-static void dp_block(const uint16_t *x, int rows, int64_t k, const uint16_t *w0, const uint16_t *w1, void *y_any,
-                     int64_t n, int64_t column, int both, int out_f32) {
-    float *y = y_any;  // an element offset into y is taken per type inside (see the stores)
-    switch (rows) {
-        DP_CASE(1) DP_CASE(2) DP_CASE(3) DP_CASE(4) DP_CASE(5) DP_CASE(6)
-        DP_CASE(7) DP_CASE(8) DP_CASE(9) DP_CASE(10) DP_CASE(11) DP_CASE(12)
-        default: break;
-    }
+// Blocks [first, last) for `ROWS` rows: as many blocks side by side as `wide` allows, then halves.
+static inline __attribute__((always_inline)) void dp_rows(const uint16_t *x, int64_t k, const uint16_t *packed,
+                                                          int64_t first, int64_t last, void *y, int64_t n,
+                                                          const int ROWS, const int wide, int out_f32) {
+    const int64_t block_elems = (int64_t)TILE_N * k;  // one 16-output block over all of k
+    int64_t nb = first;
+    for (; wide >= 8 && nb + 8 <= last; nb += 8)
+        dp_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 8, out_f32);
+    for (; wide >= 4 && nb + 4 <= last; nb += 4)
+        dp_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 4, out_f32);
+    for (; nb + 2 <= last; nb += 2)
+        dp_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 2, out_f32);
+    if (nb < last) dp_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 1, out_f32);
 }
+
+#define DP_CASE(R, WIDE) \
+    case R: dp_rows(x, k, packed, first, last, y, n, R, WIDE, out_f32); break;
 
 // Output blocks [first, last) of the packed weight for all m rows, DP_MAX_ROWS rows at a time.
 static void dp_rows_against_blocks(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t first,
-                                   int64_t last, void *y, int64_t n, int out_f32) {
-    const int64_t block_elems = (int64_t)TILE_N * k;  // one 16-output block over all of k
-    for (int64_t nb = first; nb < last; nb += N_PER_STEP) {
-        const int both = nb + 1 < last;
-        const uint16_t *w0 = packed + nb * block_elems, *w1 = w0 + block_elems;
-        for (int64_t r0 = 0; r0 < m; r0 += DP_MAX_ROWS) {
-            const int rows = (int)(m - r0 < DP_MAX_ROWS ? m - r0 : DP_MAX_ROWS);
-            void *y_rows = out_f32 ? (void *)((float *)y + r0 * n) : (void *)((uint16_t *)y + r0 * n);
-            dp_block(x + r0 * k, rows, k, w0, w1, y_rows, n, nb * TILE_N, both, out_f32);
+                                   int64_t last, void *y_any, int64_t n, int out_f32) {
+    for (int64_t r0 = 0; r0 < m; r0 += DP_MAX_ROWS) {
+        const int rows = (int)(m - r0 < DP_MAX_ROWS ? m - r0 : DP_MAX_ROWS);
+        void *y = out_f32 ? (void *)((float *)y_any + r0 * n) : (void *)((uint16_t *)y_any + r0 * n);
+        const uint16_t *xr = x + r0 * k;
+        {
+            const uint16_t *x = xr;
+            switch (rows) {
+                DP_CASE(1, 8) DP_CASE(2, 8) DP_CASE(3, 4) DP_CASE(4, 4) DP_CASE(5, 4) DP_CASE(6, 4)
+                DP_CASE(7, 2) DP_CASE(8, 2) DP_CASE(9, 2) DP_CASE(10, 2) DP_CASE(11, 2) DP_CASE(12, 2)
+                default: break;
+            }
         }
     }
 }
