@@ -6,8 +6,8 @@ dtype off a CPU (when it is one of these, else float32), and on a CPU what the c
 measures or rules there.
 
 The target's CPU rule (`common.cpu_linear.cpu_target_dtype`): bfloat16 where every product
-runs on AMX tiles, float32 elsewhere.
-On AMX tiles each row's bits are independent of the row count, and with the native attention
+runs tile-packed (AMX tiles, or AVX512-BF16's VDPBF16PS without them), float32 elsewhere.
+Tile-packed, each row's bits are independent of the row count, and with the native attention
 (invariant by construction) speculative output stays token-identical to bfloat16 target-only
 (docs/design.md#lossless-in-bfloat16); against a float32 forward it is the same up to
 rounding, as vLLM's CPU backend, which also computes in bfloat16, states it. Drafters take

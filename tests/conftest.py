@@ -72,7 +72,7 @@ def speculative_engine(shm_dir):
 
     `speculative_engine(target, draft, kind=..., drafter={...}, shm=..., **engine_config)`: the
     pool in `shm` (default: the test's `shm_dir`), a float32 target and KV cache unless `dtype` or
-    `cache` is given (so that what a test checks does not depend on this CPU having AMX tiles),
+    `cache` is given (so that what a test checks does not depend on this CPU multiplying bfloat16 natively),
     `drafter` adding DrafterConfig fields."""
     from common.kv_layout import CacheConfig
     from draft_service.drafters import DrafterConfig
@@ -88,7 +88,7 @@ def speculative_engine(shm_dir):
         stub = LocalDrafterStub(DrafterConfig(kind=kind, model=str(draft), target_model=str(target),
                                               shm_dir=pool_dir, **(drafter or {})))
         engine.setdefault("cache", CacheConfig(cache_dtype="float32", shm_dir=pool_dir))
-        engine.setdefault("dtype", "float32")  # not auto: bfloat16 on a CPU with AMX tiles, float32 elsewhere
+        engine.setdefault("dtype", "float32")  # not auto: bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere
         config = EngineConfig(model=str(target), drafter="in-process", internal_token="unused", **engine)
         core = build_engine_core(config, drafter_stub=stub)
         close = core.close

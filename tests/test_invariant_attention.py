@@ -147,7 +147,7 @@ def test_an_attention_that_is_not_invariant_is_refused(monkeypatch, tmp_path):
 def test_speculative_greedy_in_bfloat16_equals_target_only(target_model, draft_lm, shm_dir, speculative_engine,
                                                            native_forward):
     """Through the engine: the bfloat16 target picks an invariant attention backend (and, where
-    its products run on AMX tiles, the native forward), and speculative greedy output (an
+    its products run tile-packed, the native forward), and speculative greedy output (an
     in-process draft model, K=4, one request and four at once) is token for token what the
     target gives alone."""
     from common.compiled_forward import decoder_stack

@@ -1,6 +1,6 @@
-"""bfloat16 products, tile-packed on AMX or AVX512-BF16 (common/native_linear.py): what `F.linear` computes, each row's
-bits independent of the row count, chosen against oneDNN by measurement, and a clear refusal
-where the CPU or the compiler cannot run it."""
+"""bfloat16 products, tile-packed on AMX or AVX512-BF16 (common/native_linear.py): what `F.linear`
+computes, each row's bits independent of the row count on every kernel the CPU runs, chosen
+against oneDNN by measurement, and a clear refusal where the CPU or the compiler cannot run it."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def _kernels() -> list:
     """Each product kernel this machine runs (AMX and VDPBF16PS on a CPU with AMX; VDPBF16PS alone on
     one with AVX512-BF16 only), so every test below covers each."""
     if TILES_MISSING is not None:
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no tile-packed bfloat16 products here: {TILES_MISSING}"))]
+        skip = pytest.mark.skip(reason=f"no tile-packed bfloat16 products here: {TILES_MISSING}")
+        return [pytest.param(None, marks=skip)]
     return [pytest.param(kernel, id=KERNEL_NAMES[kernel]) for kernel in sorted(TileKernels.load().available)]
 
 
