@@ -1,5 +1,6 @@
 """bfloat16 linear layers through one native call (`common/native/amx_linear.c`): on AMX tiles
-where the CPU has them, else with AVX512-BF16's VDPBF16PS on the same packed weight.
+where the CPU has them, else with AVX512-BF16's VDPBF16PS on the same packed weight, else with
+AVX2's float32 FMAs on it (each bfloat16 widened as read).
 
 oneDNN's packed bfloat16 product costs ~22 µs a call at the demo's sizes whatever the row
 count (measured on an Intel Xeon with AMX, 2 threads: 384→384 at 1 row 21.5 µs, at 16 rows
@@ -12,17 +13,19 @@ products over the inputs in a fixed order, so a row's bits do not depend on how 
 share the call: the layer is batch-invariant by construction, which the lossless bfloat16
 mode needs, at no cost to a decode.
 
-Used where the CPU has AMX-BF16 (Linux grants the tile state on request) or AVX512-BF16, the
-kernel builds, the shape fits whole tiles (inputs a multiple of 32, outputs of 16) and a probe
-agrees with `F.linear`; `common/cpu_linear.py` times it against oneDNN's packed product per
-shape at load and keeps the faster. Which of the two native kernels runs is the CPU's (AMX
-where granted): they round differently, and outputs must not change from one start to the next.
+Used where one of the kernels runs (AMX-BF16, whose tile state Linux grants on request;
+AVX512-BF16; AVX2 with FMA), the shape fits whole tiles (inputs a multiple of 32, outputs of 16)
+and a probe agrees with `F.linear`; `common/cpu_linear.py` times it against oneDNN's packed
+product per shape at load and keeps the faster. Which native kernel runs is the CPU's (the first
+of AMX, AVX512-BF16, AVX2-FMA that runs), or `$SPLITSPEC_CPU_KERNEL`'s: they round differently,
+and outputs must not change from one start to the next with a noisy timing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +34,13 @@ from torch import nn
 from common.native_build import NativeKernelUnavailable, load_library
 
 TILE_K, TILE_N = 32, 16  # inputs per tile row pair block, outputs per tile
-STATUS = {1: "this CPU has neither AMX-BF16 tiles (granted by the kernel) nor AVX512-BF16",
+STATUS = {1: "this CPU runs none of the kernels (AMX-BF16 tiles granted by the kernel, AVX512-BF16, AVX2 "
+              "with FMA)",
           2: "a shape that does not fit whole tiles"}
-KERNEL_AMX, KERNEL_DPBF16 = 1, 2  # amx_linear.c: the bits of splitspec_bf16_kernels, a product's `kernel`
-KERNEL_NAMES = {KERNEL_AMX: "AMX", KERNEL_DPBF16: "AVX512-BF16"}
+KERNEL_AMX, KERNEL_DPBF16, KERNEL_FMA256 = 1, 2, 4  # amx_linear.c: splitspec_bf16_kernels' bits, a call's `kernel`
+KERNEL_NAMES = {KERNEL_AMX: "AMX", KERNEL_DPBF16: "AVX512-BF16", KERNEL_FMA256: "AVX2-FMA"}
+PREFERENCE = (KERNEL_AMX, KERNEL_DPBF16, KERNEL_FMA256)  # the default: the first that runs here
+KERNEL_ENV = "SPLITSPEC_CPU_KERNEL"  # auto, or one of KERNEL_NAMES' names (case-insensitive)
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _P, _INT, _INT, _INT]
@@ -48,35 +54,43 @@ class TileKernels:
     @classmethod
     def load(cls) -> TileKernels:
         """Build and load the library (requesting the AMX tile state where the CPU has tiles);
-        NativeKernelUnavailable if it fails or neither kernel runs here."""
+        NativeKernelUnavailable if it fails or no kernel runs here."""
         return _load_tile_kernels()
 
     @property
     def default(self) -> int:
-        """AMX where it runs, else VDPBF16PS: the hardware's rule, not a timing (the two round
+        """`$SPLITSPEC_CPU_KERNEL` where set (and not auto), else AMX where it runs, else
+        VDPBF16PS, else the AVX2 FMAs: the hardware's rule, not a timing (the kernels round
         differently, and outputs must not change from one start to the next)."""
-        return KERNEL_AMX if KERNEL_AMX in self.available else KERNEL_DPBF16
+        return chosen_kernel(os.environ.get(KERNEL_ENV, "auto"), self.available)
+
+
+def chosen_kernel(name: str, available: frozenset[int]) -> int:
+    """The kernel `name` asks for (auto: the first of PREFERENCE that runs here); a ValueError
+    naming the problem for an unknown name or a kernel that does not run here."""
+    if name.strip().lower() in ("", "auto"):
+        return next(kernel for kernel in PREFERENCE if kernel in available)
+    by_name = {label.lower(): kernel for kernel, label in KERNEL_NAMES.items()}
+    kernel = by_name.get(name.strip().lower())
+    runs_here = ", ".join(KERNEL_NAMES[k] for k in PREFERENCE if k in available)
+    if kernel is None:
+        raise ValueError(f"{KERNEL_ENV}={name!r}: not a product kernel (auto, {', '.join(KERNEL_NAMES.values())})")
+    if kernel not in available:
+        raise ValueError(f"{KERNEL_ENV}={name!r}: that kernel does not run on this CPU (here: {runs_here})")
+    return kernel
 
 
 @functools.cache
 def _load_tile_kernels() -> TileKernels:
-    if not _cpu_multiplies_bf16():
-        raise NativeKernelUnavailable("this CPU has neither AMX-BF16 tiles nor AVX512-BF16")
     lib = load_library("amx_linear")
     lib.splitspec_tiled_linear.argtypes, lib.splitspec_tiled_linear.restype = _LINEAR_ARGS, _INT
     lib.splitspec_bf16_kernels.argtypes, lib.splitspec_bf16_kernels.restype = [], _INT
     bits = lib.splitspec_bf16_kernels()
     available = frozenset(kernel for kernel in KERNEL_NAMES if bits & kernel)
     if not available:
-        raise NativeKernelUnavailable(f"bfloat16 products: {STATUS[1]} (the kernel refused the tile state, or the "
-                                      "compiler lacks -mavx512bf16)")
+        raise NativeKernelUnavailable(f"bfloat16 products: {STATUS[1]} (the compiler built none of the kernels "
+                                      "for this CPU)")
     return TileKernels(lib.splitspec_tiled_linear, available)
-
-
-def _cpu_multiplies_bf16() -> bool:
-    """AVX512-BF16 (which every CPU with AMX-BF16 has too), as torch reports it."""
-    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(bf16 is not None and bf16())
 
 
 def tile_kernel_name() -> str:

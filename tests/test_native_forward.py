@@ -15,7 +15,13 @@ from common.cpu_linear import pack_cpu_linears
 from common.kv_layout import build_layout
 from common.native_attention import BatchInvariantNativeBackend, NativeCpuAttentionBackend
 from common.native_forward import NativeForward, native_forward_problem, rounded_to_bf16
-from common.native_linear import tile_kernels_unavailable_reason
+from common.native_linear import (
+    KERNEL_ENV,
+    KERNEL_NAMES,
+    TileKernels,
+    chosen_kernel,
+    tile_kernels_unavailable_reason,
+)
 from common.qwen3 import Qwen3ForCausalLM
 from tests.tiny_models import make_qwen3
 
@@ -25,6 +31,7 @@ pytestmark = pytest.mark.skipif(TILES_MISSING is not None, reason=f"no tile-pack
 PAGE_SIZE = 16
 # q rounded to bfloat16 (2^-9 relative) through two layers; 2.7-3.6e-3 measured
 TILED_TOLERANCE = 1e-2
+ALL = frozenset(KERNEL_NAMES)
 
 
 def _on_tiles(kernel: str, rows: int, call) -> float:
@@ -132,7 +139,10 @@ def test_attention_on_tiles_computes_what_the_vector_kernel_does(tiled_model):
 
 @pytest.fixture(params=["dim16-group2", *TILED_HEADS])
 def rows_four_ways(request, models_by_heads):
-    model = models_by_heads(request.param)
+    return _rows_four_ways(models_by_heads(request.param))
+
+
+def _rows_four_ways(model) -> dict:
     native = NativeForward(decoder_stack(model))
     tokens, other = _tokens(49, 5), _tokens(25, 6)
     table, other_table = [1, 2, 3, 4], [5, 6]
@@ -163,6 +173,26 @@ def test_a_row_has_the_same_bits_in_a_decode_a_verify_a_batch_and_a_prefill(rows
     """What lossless bfloat16 speculation needs: rows 40-48 of one sequence computed one decode at a
     time, as one verify of 9, as a verify beside another sequence's prefill, and inside one prefill
     of 49 tokens, bit for bit; captured layers too."""
+    _assert_four_ways_agree(rows_four_ways)
+
+
+@pytest.mark.parametrize("kernel", [KERNEL_NAMES[k] for k in sorted(TileKernels.load().available)] if TILES_MISSING is None
+                         else [])
+def test_every_product_kernel_keeps_a_row_s_bits_and_torch_s_values(kernel, tmp_path, monkeypatch):
+    """The same four ways on each product kernel this CPU runs (`$SPLITSPEC_CPU_KERNEL` names it),
+    and each forward's values those of the torch forward up to bfloat16 rounding."""
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    model = _packed_model(make_qwen3(tmp_path / "m", head_dim=64))
+    assert {layer.self_attn.qkv_proj.kernel for layer in model.model.layers} == {chosen_kernel(kernel, ALL)}
+    _assert_four_ways_agree(_rows_four_ways(model))
+    native, torch_pool, native_pool = NativeForward(decoder_stack(model)), Pool(model), Pool(model)
+    ids = _tokens(30, 1)
+    expected, _ = torch_pool.step(model, ids, [30], [30], [[3, 7]])
+    got, _ = native_pool.step(native, ids, [30], [30], [[3, 7]])
+    assert ((got - expected.float()).abs().max() / expected.float().abs().max()) < 0.05
+
+
+def _assert_four_ways_agree(rows_four_ways: dict) -> None:
     expected_hidden, expected_captured = rows_four_ways["decodes"]
     for way in ("verify", "batch", "prefill"):
         hidden, captured = rows_four_ways[way]

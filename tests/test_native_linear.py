@@ -14,10 +14,13 @@ from common.cpu_linear import PackedLinear, TileChoice, pack_cpu_linears
 from common.native_linear import (
     KERNEL_AMX,
     KERNEL_DPBF16,
+    KERNEL_ENV,
+    KERNEL_FMA256,
     KERNEL_NAMES,
     TiledLinear,
     TileKernels,
     _load_tile_kernels,
+    chosen_kernel,
     pack_for_tiles,
     tile_kernels_unavailable_reason,
 )
@@ -124,11 +127,32 @@ def test_shapes_that_do_not_fit_are_refused_with_the_reason():
 
 
 @needs_tiles
-def test_the_default_kernel_is_amx_where_it_runs_else_vdpbf16ps():
+def test_the_default_kernel_is_the_first_of_amx_avx512_bf16_avx2_that_runs(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
     kernels = TileKernels.load()
     assert TiledLinear(_layer()).kernel == kernels.default
-    assert kernels.default == (KERNEL_AMX if KERNEL_AMX in kernels.available else KERNEL_DPBF16)
-    assert KERNEL_DPBF16 in kernels.available  # every CPU with AMX-BF16 has AVX512-BF16 too
+    assert kernels.default == next(k for k in (KERNEL_AMX, KERNEL_DPBF16, KERNEL_FMA256) if k in kernels.available)
+    if KERNEL_AMX in kernels.available:
+        assert KERNEL_DPBF16 in kernels.available  # every CPU with AMX-BF16 has AVX512-BF16 too
+
+
+def test_an_operator_names_the_kernel_and_a_wrong_name_is_refused():
+    everything = frozenset(KERNEL_NAMES)
+    assert chosen_kernel("avx2-fma", everything) == KERNEL_FMA256
+    assert chosen_kernel(" AVX512-BF16 ", everything) == KERNEL_DPBF16
+    assert chosen_kernel("auto", frozenset({KERNEL_DPBF16, KERNEL_FMA256})) == KERNEL_DPBF16
+    with pytest.raises(ValueError, match="'sse9': not a product kernel"):
+        chosen_kernel("sse9", everything)
+    with pytest.raises(ValueError, match="'amx': that kernel does not run on this CPU \\(here: AVX2-FMA\\)"):
+        chosen_kernel("amx", frozenset({KERNEL_FMA256}))
+
+
+@needs_tiles
+def test_the_environment_picks_the_default_kernel(monkeypatch):
+    available = TileKernels.load().available
+    for kernel in available:
+        monkeypatch.setenv(KERNEL_ENV, KERNEL_NAMES[kernel].lower())
+        assert TiledLinear(_layer()).kernel == kernel
 
 
 def _pack_with_timings(model: nn.Module, tiles_faster: bool) -> None:
@@ -187,7 +211,7 @@ def test_without_a_compiler_bfloat16_stays_with_onednn_and_says_why(tmp_path, mo
             pack_cpu_linears(model, log)
         assert not isinstance(model[0], TiledLinear)
         reason = tile_kernels_unavailable_reason()
-        assert reason is not None and ("no C compiler" in reason or "neither AMX-BF16" in reason)
+        assert reason is not None and ("no C compiler" in reason or "runs none of the kernels" in reason)
     finally:
         _load_tile_kernels.cache_clear()
 

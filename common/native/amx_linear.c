@@ -1,6 +1,7 @@
 // bfloat16 products y = x · Wᵀ for the small row counts a decode, a verify and a batch run at
 // (common/native_linear.py), on AMX tiles where the CPU has them, else with AVX512-BF16's
-// VDPBF16PS on the same packed weight.
+// VDPBF16PS on the same packed weight, else (any x86-64 with AVX2 and FMA) with float32 FMAs on
+// it, each bfloat16 widened as it is read.
 //
 // The weight is packed once at load into the tile layout TDPBF16PS reads (VNNI pairs):
 //   packed[n_block][k_block][k_pair (16)][n (16)][2] = W[n_block*16 + n][k_block*32 + 2*k_pair + j]
@@ -17,7 +18,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -30,10 +31,15 @@
 #else
 #define HAVE_DPBF16 0
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_FMA256 1
+#else
+#define HAVE_FMA256 0
+#endif
 
 enum { AMX_OK = 0, AMX_MISSING = 1, AMX_BAD_SHAPE = 2 };
 // the products' kernels (bits of splitspec_bf16_kernels)
-enum { KERNEL_NONE = 0, KERNEL_AMX = 1, KERNEL_DPBF16 = 2 };
+enum { KERNEL_NONE = 0, KERNEL_AMX = 1, KERNEL_DPBF16 = 2, KERNEL_FMA256 = 4 };
 enum { TILE_ROWS = 16, TILE_K = 32, TILE_N = 16, N_PER_STEP = 2 };
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -49,13 +55,16 @@ int splitspec_amx_init(void) {
 }
 
 // The kernels that run here, as bits: AMX where this build has it and Linux grants the tile state
-// (requested here, for the process), VDPBF16PS where the build has AVX512-BF16.
+// (requested here, for the process), VDPBF16PS where the build has AVX512-BF16, float32 FMAs
+// where it has AVX2 and FMA.
 int splitspec_bf16_kernels(void) {
-    return (splitspec_amx_init() == AMX_OK ? KERNEL_AMX : 0) | (HAVE_DPBF16 ? KERNEL_DPBF16 : 0);
+    return (splitspec_amx_init() == AMX_OK ? KERNEL_AMX : 0) | (HAVE_DPBF16 ? KERNEL_DPBF16 : 0) |
+           (HAVE_FMA256 ? KERNEL_FMA256 : 0);
 }
 
 static inline int kernel_runs(int kernel) {
-    return (kernel == KERNEL_AMX && HAVE_AMX) || (kernel == KERNEL_DPBF16 && HAVE_DPBF16);
+    return (kernel == KERNEL_AMX && HAVE_AMX) || (kernel == KERNEL_DPBF16 && HAVE_DPBF16) ||
+           (kernel == KERNEL_FMA256 && HAVE_FMA256);
 }
 
 #if HAVE_AMX
@@ -209,6 +218,97 @@ static void dp_rows_against_blocks(const uint16_t *x, int64_t m, int64_t k, cons
 }
 #endif
 
+#if HAVE_FMA256
+enum { FMA_MAX_ROWS = 4 };  // rows x blocks x 2 halves <= 8 accumulators of the 16 ymm registers
+
+static inline float bf16_bits_to_float(uint32_t high) {  // `high`: the bfloat16 in the upper 16 bits
+    float value;
+    memcpy(&value, &high, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16_rne(float value) {  // nearest even, as torch rounds; NaN stays NaN
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+// `rows` rows × `blocks` 16-output blocks over all of k in float32 FMAs: for each input pair, each
+// block's 64-byte weight row is widened into its even and odd inputs' 16 floats, then for each row
+// acc += x_even · w_even, then acc += x_odd · w_odd, in that order whatever ROWS and BLOCKS are (a
+// row's bits do not depend on its neighbours).
+static inline __attribute__((always_inline)) void fma_tile(const uint16_t *x, int64_t k, const uint16_t *w,
+                                                           int64_t block_elems, void *y, int64_t n, int64_t column,
+                                                           const int ROWS, const int BLOCKS, int out_f32) {
+    __m256 acc[8];
+    for (int a = 0; a < 2 * ROWS * BLOCKS; a++) acc[a] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    const int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int j = 0; j < BLOCKS; j++) {
+            const uint16_t *row = w + j * block_elems + 32 * p;  // 16 outputs x (even, odd)
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)row), hi = _mm256_loadu_si256((const __m256i *)(row + 16));
+            const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+            const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
+            const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+            const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+            for (int r = 0; r < ROWS; r++) {
+                uint32_t pair;
+                memcpy(&pair, x + r * k + 2 * p, sizeof pair);
+                const __m256 x_even = _mm256_set1_ps(bf16_bits_to_float(pair << 16));
+                const __m256 x_odd = _mm256_set1_ps(bf16_bits_to_float(pair & 0xffff0000u));
+                __m256 *a = acc + 2 * (r * BLOCKS + j);
+                a[0] = _mm256_fmadd_ps(x_odd, odd_lo, _mm256_fmadd_ps(x_even, even_lo, a[0]));
+                a[1] = _mm256_fmadd_ps(x_odd, odd_hi, _mm256_fmadd_ps(x_even, even_hi, a[1]));
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        for (int j = 0; j < BLOCKS; j++) {
+            const int64_t at = r * n + column + j * TILE_N;
+            float out[TILE_N];
+            _mm256_storeu_ps(out, acc[2 * (r * BLOCKS + j)]);
+            _mm256_storeu_ps(out + 8, acc[2 * (r * BLOCKS + j) + 1]);
+            if (out_f32) {
+                memcpy((float *)y + at, out, sizeof out);
+            } else {
+                for (int i = 0; i < TILE_N; i++) ((uint16_t *)y)[at + i] = float_to_bf16_rne(out[i]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void fma_rows(const uint16_t *x, int64_t k, const uint16_t *packed,
+                                                           int64_t first, int64_t last, void *y, int64_t n,
+                                                           const int ROWS, const int wide, int out_f32) {
+    const int64_t block_elems = (int64_t)TILE_N * k;
+    int64_t nb = first;
+    for (; wide >= 4 && nb + 4 <= last; nb += 4)
+        fma_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 4, out_f32);
+    for (; wide >= 2 && nb + 2 <= last; nb += 2)
+        fma_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 2, out_f32);
+    for (; nb < last; nb++) fma_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 1, out_f32);
+}
+
+#define FMA_CASE(R, WIDE) \
+    case R: fma_rows(x, k, packed, first, last, y, n, R, WIDE, out_f32); break;
+
+static void fma_rows_against_blocks(const uint16_t *x_all, int64_t m, int64_t k, const uint16_t *packed,
+                                    int64_t first, int64_t last, void *y_any, int64_t n, int out_f32) {
+    for (int64_t r0 = 0; r0 < m; r0 += FMA_MAX_ROWS) {
+        const int rows = (int)(m - r0 < FMA_MAX_ROWS ? m - r0 : FMA_MAX_ROWS);
+        void *y = out_f32 ? (void *)((float *)y_any + r0 * n) : (void *)((uint16_t *)y_any + r0 * n);
+        const uint16_t *x = x_all + r0 * k;
+        switch (rows) {
+            FMA_CASE(1, 4) FMA_CASE(2, 2) FMA_CASE(3, 1) FMA_CASE(4, 1)
+            default: break;
+        }
+    }
+}
+#endif
+
 // y[m, n] = x[m, k] · W[n, k]ᵀ, x bfloat16 (rows contiguous), W packed as above, y bfloat16 or
 // float32. k a multiple of 32, n of 16. Output blocks are split between the OpenMP threads in
 // pairs; each thread runs every row against its own, on `kernel` (KERNEL_AMX only once
@@ -243,6 +343,10 @@ int splitspec_tiled_linear(const uint16_t *x, int64_t m, int64_t k, const uint16
 #endif
 #if HAVE_DPBF16
         if (kernel == KERNEL_DPBF16 && first < last) dp_rows_against_blocks(x, m, k, packed, first, last, y, n, out_f32);
+#endif
+#if HAVE_FMA256
+        if (kernel == KERNEL_FMA256 && first < last)
+            fma_rows_against_blocks(x, m, k, packed, first, last, y, n, out_f32);
 #endif
         (void)kernel, (void)first, (void)last;
     }
