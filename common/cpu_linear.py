@@ -139,7 +139,7 @@ def _agrees_with_f_linear(packed: nn.Module) -> bool:
 def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None = None,
                      whole_forward_on_tiles: bool = False) -> int:
     """Swap every CPU `nn.Linear` (StackedLinear included) of a packable dtype for a `PackedLinear`,
-    or for a `TiledLinear` where that measures faster (bfloat16 on a CPU with AMX or AVX512-BF16); how
+    or for a `TiledLinear` where that measures faster (bfloat16 on a CPU with AMX, AVX512-BF16 or AVX2); how
     many were.
     (Layers elsewhere, on "meta" for instance, or of another dtype, are left as they are.)
     `timer` replaces the clock in the kernel choices (tests).
@@ -195,7 +195,8 @@ TILE_ROWS = (1, 9, 16)  # a decode, a K=8 verify, a full tile: what the bfloat16
 
 @dataclass
 class TileChoice:
-    """One bfloat16 shape's product timed through the tiled kernel (AMX or AVX512-BF16) and oneDNN's packed product, in µs
+    """One bfloat16 shape's product timed through the tiled kernel (AMX, AVX512-BF16 or AVX2) and
+    oneDNN's packed product, in µs
     by row count; the layer runs the one faster over those counts at every row count (one kernel
     for all keeps a row's bits independent of the row count)."""
 
@@ -440,7 +441,7 @@ def _build_every_shape(packed: list[PackedLinear]) -> None:
 
 def cpu_target_dtype(shapes: list[tuple[int, int, int, bool]], log: logging.Logger) -> torch.dtype:
     """`--dtype auto` for a target on a CPU: bfloat16 where every product of its forward
-    (`shapes`: in, out, count per token, bias) runs tile-packed (AMX or AVX512-BF16), float32
+    (`shapes`: in, out, count per token, bias) runs tile-packed (AMX, AVX512-BF16 or AVX2), float32
     anywhere else.
 
     Tile-packed, a row's bits do not depend on the row count (`common/native_linear.py`), so

@@ -6,7 +6,7 @@ dtype off a CPU (when it is one of these, else float32), and on a CPU what the c
 measures or rules there.
 
 The target's CPU rule (`common.cpu_linear.cpu_target_dtype`): bfloat16 where every product
-runs tile-packed (AMX tiles, or AVX512-BF16's VDPBF16PS without them), float32 elsewhere.
+runs tile-packed (AMX tiles, else AVX512-BF16's VDPBF16PS, else AVX2's FMAs), float32 elsewhere.
 Tile-packed, each row's bits are independent of the row count, and with the native attention
 (invariant by construction) speculative output stays token-identical to bfloat16 target-only
 (docs/design.md#lossless-in-bfloat16); against a float32 forward it is the same up to

@@ -115,7 +115,7 @@ def native_forward_problem(stack: DecoderStack, kv_dtype: torch.dtype, backend_c
     products = [p for layer in stack.layers
                 for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     if not all(isinstance(p, TiledLinear) for p in products):
-        return "not every product runs tile-packed (bfloat16 on AMX or AVX512-BF16)"
+        return "not every product runs tile-packed (bfloat16 on AMX, AVX512-BF16 or AVX2)"
     if len({p.kernel for p in products}) > 1:
         return "its products run on different kernels (one call runs one)"
     try:

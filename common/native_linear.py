@@ -117,16 +117,17 @@ def fits_tiles(linear: nn.Linear) -> bool:
 
 def pack_for_tiles(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] bfloat16 → [out/16, in/32, 16, 16, 2]: for each block of 16 outputs, its tiles of
-    32 inputs with each pair of inputs side by side per output (the order TDPBF16PS reads, and VDPBF16PS a tile row at a time)."""
+    32 inputs with each pair of inputs side by side per output (the order TDPBF16PS reads; VDPBF16PS
+    and the FMA kernel read a tile row at a time)."""
     out_features, in_features = weight.shape
     blocks = weight.detach().reshape(out_features // TILE_N, TILE_N, in_features // TILE_K, TILE_K // 2, 2)
     return blocks.permute(0, 2, 3, 1, 4).contiguous()
 
 
 class TiledLinear(nn.Module):
-    """`nn.Linear` in bfloat16 through the tile-packed kernel (AMX or AVX512-BF16). The weight (and
-    bias) stay the layer's own parameters (tied weights stay tied, the state dict is unchanged); the tile-packed copy is not
-    part of it."""
+    """`nn.Linear` in bfloat16 through the tile-packed kernel (AMX, AVX512-BF16 or AVX2). The weight
+    (and bias) stay the layer's own parameters (tied weights stay tied, the state dict is unchanged);
+    the tile-packed copy is not part of it."""
 
     def __init__(self, linear: nn.Linear, kernel: int | None = None) -> None:
         super().__init__()

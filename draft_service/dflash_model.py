@@ -354,7 +354,7 @@ class DFlashDraftModel(FeatureHead):
 
     def use_native(self, embed: torch.Tensor) -> str | None:
         """Run the block through the draft layers in one native call (common/native_forward.py)
-        where its products run tile-packed (AMX or AVX512-BF16), and new context rows' K/V in another
+        where its products run tile-packed (AMX, AVX512-BF16 or AVX2), and new context rows' K/V in another
         (`NativeForward.context_kv`); why not, or None. A step runs them where the pool's pages
         and the attention backend allow (`NativeForward.runs` / `writes`), else eagerly."""
         from common.native_attention import NativeCpuAttentionBackend

@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
                        help="run decode and verify steps through the compiled forward (common/compiled_forward.py)")
     model.add_argument("--native-forward", action=argparse.BooleanOptionalAction, default=True,
-                       help="run every step of a bfloat16 target whose products run tile-packed (AMX or AVX512-BF16) in one native call "
-                            "(common/native_forward.py); --no-native-forward keeps the torch forward")
+                       help="run every step of a bfloat16 target whose products run tile-packed (AMX, "
+                            "AVX512-BF16 or AVX2) in one native call (common/native_forward.py); "
+                            "--no-native-forward keeps the torch forward")
     model.add_argument("--compile-max-tokens", type=positive_int, default=CompileConfig.max_tokens, metavar="N",
                        help="the largest step, in tokens, that runs compiled; larger ones run eagerly")
 

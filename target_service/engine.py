@@ -118,7 +118,8 @@ def _native_forward(config: EngineConfig, model, layout, backend_cls: type) -> b
     if problem is not None:
         log.info("native forward off: %s", problem)
         return False
-    log.info("native forward on: each step is one call (products on %s, attention, norms, RoPE in C)", tile_kernel_name())
+    log.info("native forward on: each step is one call (products on %s, attention, norms, RoPE in C)",
+             tile_kernel_name())
     return True
 
 

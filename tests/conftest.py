@@ -88,7 +88,7 @@ def speculative_engine(shm_dir):
         stub = LocalDrafterStub(DrafterConfig(kind=kind, model=str(draft), target_model=str(target),
                                               shm_dir=pool_dir, **(drafter or {})))
         engine.setdefault("cache", CacheConfig(cache_dtype="float32", shm_dir=pool_dir))
-        engine.setdefault("dtype", "float32")  # not auto: bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere
+        engine.setdefault("dtype", "float32")  # not auto: bfloat16 on an x86 with AMX, AVX512-BF16 or AVX2
         config = EngineConfig(model=str(target), drafter="in-process", internal_token="unused", **engine)
         core = build_engine_core(config, drafter_stub=stub)
         close = core.close

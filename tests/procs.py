@@ -133,7 +133,7 @@ def private_shm_dir() -> Path:
 def start_target(model: Path, shm_dir: Path, log_path: Path, *args: str) -> Service:
     """A target process serving `model` on any free port with its pool in `shm_dir` (started, not
     awaited), computing in float32 unless `args` name a `--dtype` (auto is bfloat16 on a CPU with
-    AMX or AVX512-BF16: what a test checks must not depend on the CPU it runs on)."""
+    AMX, AVX512-BF16 or AVX2: what a test checks must not depend on the CPU it runs on)."""
     dtype = [] if "--dtype" in args else ["--dtype", "float32"]
     return Service("target_service.cli", ["--model", str(model), "--port", "0", "--shm-dir", str(shm_dir), *dtype,
                                           *args], log_path)
