@@ -88,8 +88,9 @@ def cpu_drafter_dtype() -> torch.dtype:
     """`--dtype auto` for a model drafter on a CPU: bfloat16 where the CPU multiplies it natively
     (AVX512-BF16, AMX), else float32. The drafts only propose: the target's verify decides
     every token, so the output is the same either way, and bfloat16 is the cheaper
-    (figures: docs/performance.md#the-adaptive-policys-rules). The target stays float32 on
-    a CPU for another reason: see `common/dtypes.py`."""
+    (figures: docs/performance.md#the-adaptive-policys-rules). (The target's own rule, which also
+    covers CPUs with AVX2 alone through the tile-packed FMA kernel, is `common/dtypes.py`'s; a
+    drafter there stays float32, unmeasured on such a CPU.)"""
     from common.cpu_linear import native_cpu_bf16
 
     return torch.bfloat16 if native_cpu_bf16() else torch.float32
