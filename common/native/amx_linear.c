@@ -42,6 +42,16 @@ enum { AMX_OK = 0, AMX_MISSING = 1, AMX_BAD_SHAPE = 2 };
 enum { KERNEL_NONE = 0, KERNEL_AMX = 1, KERNEL_DPBF16 = 2, KERNEL_FMA256 = 4 };
 enum { TILE_ROWS = 16, TILE_K = 32, TILE_N = 16, N_PER_STEP = 2 };
 
+// float32 → bfloat16, nearest even, as torch rounds (denormals kept); NaN stays NaN, quieted.
+// decoder_forward.c, which includes this file, rounds its stores with it too.
+static inline uint16_t round_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -200,19 +210,16 @@ static inline __attribute__((always_inline)) void dp_rows(const uint16_t *x, int
     case R: dp_rows(x, k, packed, first, last, y, n, R, WIDE, out_f32); break;
 
 // Output blocks [first, last) of the packed weight for all m rows, DP_MAX_ROWS rows at a time.
-static void dp_rows_against_blocks(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t first,
-                                   int64_t last, void *y_any, int64_t n, int out_f32) {
+static void dp_rows_against_blocks(const uint16_t *x_all, int64_t m, int64_t k, const uint16_t *packed,
+                                   int64_t first, int64_t last, void *y_any, int64_t n, int out_f32) {
     for (int64_t r0 = 0; r0 < m; r0 += DP_MAX_ROWS) {
         const int rows = (int)(m - r0 < DP_MAX_ROWS ? m - r0 : DP_MAX_ROWS);
         void *y = out_f32 ? (void *)((float *)y_any + r0 * n) : (void *)((uint16_t *)y_any + r0 * n);
-        const uint16_t *xr = x + r0 * k;
-        {
-            const uint16_t *x = xr;
-            switch (rows) {
-                DP_CASE(1, 8) DP_CASE(2, 8) DP_CASE(3, 4) DP_CASE(4, 4) DP_CASE(5, 4) DP_CASE(6, 4)
-                DP_CASE(7, 2) DP_CASE(8, 2) DP_CASE(9, 2) DP_CASE(10, 2) DP_CASE(11, 2) DP_CASE(12, 2)
-                default: break;
-            }
+        const uint16_t *x = x_all + r0 * k;
+        switch (rows) {
+            DP_CASE(1, 8) DP_CASE(2, 8) DP_CASE(3, 4) DP_CASE(4, 4) DP_CASE(5, 4) DP_CASE(6, 4)
+            DP_CASE(7, 2) DP_CASE(8, 2) DP_CASE(9, 2) DP_CASE(10, 2) DP_CASE(11, 2) DP_CASE(12, 2)
+            default: break;
         }
     }
 }
@@ -225,14 +232,6 @@ static inline float bf16_bits_to_float(uint32_t high) {  // `high`: the bfloat16
     float value;
     memcpy(&value, &high, sizeof value);
     return value;
-}
-
-static inline uint16_t float_to_bf16_rne(float value) {  // nearest even, as torch rounds; NaN stays NaN
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
 }
 
 // `rows` rows × `blocks` 16-output blocks over all of k in float32 FMAs: for each input pair, each
@@ -274,7 +273,7 @@ static inline __attribute__((always_inline)) void fma_tile(const uint16_t *x, in
             if (out_f32) {
                 memcpy((float *)y + at, out, sizeof out);
             } else {
-                for (int i = 0; i < TILE_N; i++) ((uint16_t *)y)[at + i] = float_to_bf16_rne(out[i]);
+                for (int i = 0; i < TILE_N; i++) ((uint16_t *)y)[at + i] = round_to_bf16(out[i]);
             }
         }
     }

@@ -1,5 +1,5 @@
 // A Qwen3 / Llama decoder stack's forward in one native call per step (common/native_forward.py):
-// the products on AMX tiles or AVX512-BF16 (amx_linear.c), the paged attention and KV writes of
+// the products on AMX tiles, AVX512-BF16 or AVX2 (amx_linear.c), the paged attention and KV writes of
 // paged_attention.c, and everything between them (RMSNorm, q/k norms, RoPE, SiLU, residuals) as
 // row loops here. Each op is one OpenMP region over the step's rows or outputs; nothing goes
 // back to Python between them.
@@ -40,16 +40,8 @@ typedef struct {
     int32_t kv_kind;
     int64_t capture_stride;  // elements from one captured row to the next
     int32_t capture_kind;    // KV_F32 or KV_BF16: the captures' element type
-    int32_t product_kernel;  // KERNEL_AMX or KERNEL_DPBF16 (amx_linear.c), for every product
+    int32_t product_kernel;  // KERNEL_AMX, KERNEL_DPBF16 or KERNEL_FMA256 (amx_linear.c), for every product
 } Decoder;
-
-static inline uint16_t round_to_bf16(float value) {  // nearest even, as torch rounds
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 // out[i] = round_to_bf16(x[i]), 16 at a time in integer lanes where the CPU has AVX-512 (the same
 // bits: VCVTNEPS2BF16 would flush denormals, which torch's rounding keeps).
