@@ -97,24 +97,24 @@ weighted_sum(float *out, const float *p, const float *const *rows, int32_t count
         for (int d = 0; d < dim; d++) out[d] += p[j] * rows[j][d];
 }
 
-/* Pointers to the first `count` keys' (plane 0) or values' (plane 1) vectors of one head, as
- * float32: straight into the pages for float32 pages, else converted into `staging`. */
+/* Pointers to keys' (plane 0) or values' (plane 1) vectors from .. to - 1 of one head, as float32:
+ * straight into the pages for float32 pages, else converted into `staging` (key j at row j - from). */
 static inline __attribute__((always_inline)) void
-vectors_of(const Pool *pool, const int32_t *pages, int32_t count, int head, int plane, int kind,
+vectors_of(const Pool *pool, const int32_t *pages, int32_t from, int32_t to, int head, int plane, int kind,
            const float *table, int dim, float *staging, const float **rows) {
     const uint8_t *page = NULL;
-    for (int32_t j = 0, offset = pool->page_size; j < count; j++, offset++) {
-        if (offset == pool->page_size) {  /* the next page (no division per key) */
+    for (int32_t j = from, offset = from % pool->page_size; j < to; j++, offset++) {
+        if (page == NULL || offset == pool->page_size) {  /* the next page (no division per key) */
             page = pool->base + plane * pool->plane_stride + pages[j / pool->page_size] * pool->page_stride +
                    head * pool->head_stride;
-            offset = 0;
+            offset = j % pool->page_size;
         }
         const uint8_t *at = page + offset * pool->token_stride;
         if (kind == KV_F32) {
             rows[j] = (const float *)at;
             continue;
         }
-        float *row = staging + (int64_t)j * dim;
+        float *row = staging + (int64_t)(j - from) * dim;
         if (kind == KV_BF16) {
             const uint16_t *in = (const uint16_t *)at;
             for (int d = 0; d < dim; d++) row[d] = bf16_to_float(in[d]);
@@ -263,7 +263,8 @@ enum { QUERY_VECTORS = 16 };  /* query vectors sharing each pass over a chunk of
 static inline __attribute__((always_inline)) void
 attend_vectors16(const float *q, float *out, const int32_t *keys, int64_t row_floats, int h, int group, int g_first,
                  int heads, int first, int count, int dim, float scale, float *scores, int64_t stride,
-                 const float *const *key_rows, const float *const *value_rows) {
+                 const Pool *pool, const int32_t *pages, int kind, const float *k_table, const float *v_table,
+                 float *staging, const float **key_rows, const float **value_rows) {
     const float *query[QUERY_VECTORS];
     float *row_out[QUERY_VECTORS];
     int32_t seen[QUERY_VECTORS], most = 0;
@@ -274,24 +275,30 @@ attend_vectors16(const float *q, float *out, const int32_t *keys, int64_t row_fl
         seen[i] = keys[r];
         most = seen[i] > most ? seen[i] : most;
     }
-    const int32_t chunk = dim <= 1024 ? (4096 / dim) & ~3 : 4;  /* 16 KB of float32 keys (or values) */
-    for (int32_t from = 0; from < most; from += chunk)
+    /* 16 KB of float32 keys (or values), converted chunk by chunk into `staging` as they are used */
+    const int32_t chunk = dim <= 1024 ? (4096 / dim) & ~3 : 4;
+    for (int32_t from = 0; from < most; from += chunk) {
+        const int32_t to = from + chunk < most ? from + chunk : most;
+        vectors_of(pool, pages, from, to, h, 0, kind, k_table, dim, staging, key_rows);
         for (int i = 0; i < count; i++)
             if (from < seen[i])
-                scores16(query[i], key_rows, from, from + chunk < seen[i] ? from + chunk : seen[i], dim, scale,
-                         scores + i * stride);
+                scores16(query[i], key_rows, from, to < seen[i] ? to : seen[i], dim, scale, scores + i * stride);
+    }
     for (int i = 0; i < count; i++) softmax16(scores + i * stride, seen[i]);
-    for (int32_t from = 0; from < most; from += chunk)
+    for (int32_t from = 0; from < most; from += chunk) {
+        const int32_t to = from + chunk < most ? from + chunk : most;
+        vectors_of(pool, pages, from, to, h, 1, kind, v_table, dim, staging, value_rows);
         for (int i = 0; i < count; i++)
             if (from < seen[i])
-                weighted_sum16(row_out[i], scores + i * stride, value_rows, from,
-                               from + chunk < seen[i] ? from + chunk : seen[i], dim);
+                weighted_sum16(row_out[i], scores + i * stride, value_rows, from, to < seen[i] ? to : seen[i], dim);
+    }
 }
 
 /* One KV head of one sequence: its rows (q [R, Hq, D]), of which row r sees the sequence's first
  * keys[r] keys, for the query heads h * group + g, g in [g_first, g_end). Each key and value is
- * located (and converted) once for all of them. A query vector's output depends only on it and
- * the keys it sees: the same bits whatever the batch and however the heads are shared out. */
+ * located (and converted) once per 16 query vectors, a chunk of keys at a time, into L1. A query
+ * vector's output depends only on it and the keys it sees: the same bits whatever the batch and
+ * however the heads are shared out. */
 static inline __attribute__((always_inline)) void
 attend_head(const float *q, float *out, int32_t rows, const int32_t *keys, int32_t longest, const Pool *pool,
             int kind, const float *k_table, const float *v_table, const int32_t *pages, int h, int g_first,
@@ -299,17 +306,17 @@ attend_head(const float *q, float *out, int32_t rows, const int32_t *keys, int32
             const float **key_rows, const float **value_rows) {
     const int group = q_heads / kv_heads;
     const int64_t row_floats = (int64_t)q_heads * dim;
-    vectors_of(pool, pages, longest, h, 0, kind, k_table, dim, staging, key_rows);
-    vectors_of(pool, pages, longest, h, 1, kind, v_table, dim, staging + (int64_t)longest * dim, value_rows);
     if (dim % 16 == 0) {
         const int heads = g_end - g_first, vectors = rows * heads;
         const int64_t stride = ((int64_t)longest + 15) & ~(int64_t)15;
         for (int first = 0; first < vectors; first += QUERY_VECTORS)
             attend_vectors16(q, out, keys, row_floats, h, group, g_first, heads, first,
                              vectors - first < QUERY_VECTORS ? vectors - first : QUERY_VECTORS, dim, scale, scores,
-                             stride, key_rows, value_rows);
+                             stride, pool, pages, kind, k_table, v_table, staging, key_rows, value_rows);
         return;
     }
+    vectors_of(pool, pages, 0, longest, h, 0, kind, k_table, dim, staging, key_rows);
+    vectors_of(pool, pages, 0, longest, h, 1, kind, v_table, dim, staging + (int64_t)longest * dim, value_rows);
     for (int32_t r = 0; r < rows; r++) {
         for (int g = g_first; g < g_end; g++) {
             const float *query = q + r * row_floats + (h * group + g) * dim;
