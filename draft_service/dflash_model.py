@@ -125,8 +125,8 @@ class NewContext:
 
 @dataclass
 class DraftProposal:
-    token_ids: torch.Tensor  # [B, K] long, greedy
-    logits: torch.Tensor  # [B, K, V] float32, after output_multiplier and softcapping
+    token_ids: torch.Tensor  # [B, n] long, greedy: the first n drafts of the block
+    logits: torch.Tensor  # [B, n, V] float32, after output_multiplier and softcapping
 
 
 # ---------------------------------------------------------------------------------------
@@ -459,12 +459,17 @@ class DFlashDraftModel(FeatureHead):
         backend: AttentionBackend,
         num_tokens: int | None = None,  # K; defaults to block_size - 1
         new_context: NewContext | None = None,  # rows before position p not written yet
+        num_drafts: int | None = None,  # the first n ≤ K drafts wanted; defaults to K
     ) -> DraftProposal:
-        """Greedy draft tokens [B, K] and their logits [B, K, V], batched over sequences.
+        """Greedy draft tokens [B, n] and their logits [B, n, V], batched over sequences: the first
+        n of a block of K masks (the head runs over those n rows only; the block is K + 1 rows).
 
         With `new_context`, those rows' K/V are computed and written in this same forward
         (what `write_context` would do first, in one pass less over the layers)."""
         k_draft = self.num_speculative_tokens if num_tokens is None else num_tokens
+        kept = k_draft if num_drafts is None else num_drafts
+        if not 1 <= kept <= k_draft:
+            raise ValueError(f"propose: {kept} drafts from a block of {k_draft} masks")
         self._check_propose_args(last_token_ids, context_lens, page_tables, k_draft)
         layout: KVLayout = backend.layout
         device = last_token_ids.device
@@ -485,9 +490,9 @@ class DFlashDraftModel(FeatureHead):
             hidden, _ = self.forward_block(ids, positions, meta, kv_caches, backend)
         else:
             hidden = self._forward_block_with_context(ids, positions, new_context, kv_caches, backend)
-        drafts = hidden.view(len(context_lens), k_draft + 1, -1)[:, 1:]  # [B, K, hidden]
-        logits = self.compute_logits(drafts.reshape(-1, drafts.shape[-1]))  # [B * K, V]
-        logits = logits.view(len(context_lens), k_draft, -1)  # [B, K, V]
+        drafts = hidden.view(len(context_lens), k_draft + 1, -1)[:, 1:1 + kept]  # [B, n, hidden]
+        logits = self.compute_logits(drafts.reshape(-1, drafts.shape[-1]))  # [B * n, V]
+        logits = logits.view(len(context_lens), kept, -1)  # [B, n, V]
         return DraftProposal(token_ids=argmax_last(logits), logits=logits)
 
     def _forward_block_with_context(self, ids: torch.Tensor, positions: torch.Tensor, new_context: NewContext,

@@ -237,6 +237,28 @@ def test_shorter_block_matches_reference(models, make_paged):
     torch.testing.assert_close(proposal.logits[0], expected, atol=LOGIT_ATOL, rtol=0)
 
 
+def test_fewer_drafts_asked_are_the_first_of_the_whole_block(models, make_paged):
+    """num_drafts n < K: the head runs over the block's first n masks only, and gives what the
+    whole block's first n drafts are (a block of K masks, not a shorter one); n outside 1..K refused."""
+    paged = make_paged()
+    case = models.cases[0]
+    table = paged.allocate(case.length + K + 1)
+    write_chunks(models.ours, paged, [(case, 0, case.length)], [table])
+    anchors = torch.tensor([case.next_token])
+    whole = propose_one(models.ours, paged, case.next_token, case.length, table)
+    for n in (1, 3):
+        few = models.ours.propose(anchors, [case.length], [table], paged.kv_caches, paged.backend, num_tokens=K,
+                                  num_drafts=n)
+        assert few.token_ids.shape == (1, n) and few.logits.shape == (1, n, whole.logits.shape[-1])
+        assert few.token_ids[0].tolist() == whole.token_ids[0, :n].tolist()
+        # a head over fewer rows may round otherwise (BLAS blocks by row count)
+        torch.testing.assert_close(few.logits, whole.logits[:, :n], atol=LOGIT_ATOL, rtol=0)
+    for n in (0, K + 1):
+        with pytest.raises(ValueError, match=f"{n} drafts from a block of {K} masks"):
+            models.ours.propose(anchors, [case.length], [table], paged.kv_caches, paged.backend, num_tokens=K,
+                                num_drafts=n)
+
+
 def test_embedding_scale_multiplier_and_softcap_match_reference(models, make_paged, tmp_path):
     from dflash.model import DFlashDraftModel as ReferenceDraft
 

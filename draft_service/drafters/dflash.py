@@ -116,6 +116,7 @@ class DFlashDrafter(FeatureDrafter):
                 self._backend,
                 num_tokens=block,
                 new_context=self._take_held_rows(seqs),
+                num_drafts=max(k for _, k, _ in group),  # the head's rows: only the drafts asked
             )
             for (seq, k, _), tokens in zip(group, proposal.token_ids.tolist()):
                 drafts[seq.seq_id] = tokens[:k]
