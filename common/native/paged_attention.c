@@ -97,17 +97,40 @@ weighted_sum(float *out, const float *p, const float *const *rows, int32_t count
         for (int d = 0; d < dim; d++) out[d] += p[j] * rows[j][d];
 }
 
-/* Pointers to keys' (plane 0) or values' (plane 1) vectors from .. to - 1 of one head, as float32:
- * straight into the pages for float32 pages, else converted into `staging` (key j at row j - from). */
+enum { PREFETCH_PAGES = 4 };  /* how far ahead of the key being read its page's successor is fetched */
+
+/* Asks for one head's vectors of the page `ahead` pages past page index `page` of the K (plane 0) or V
+ * (plane 1) walk over `pages_used` pages: past K's last page, V's first ones. The page reads are
+ * strided (one head of every token) and follow a page table, which the hardware prefetcher cannot
+ * follow: without this a decode waits on the cache for each key (most of the attention's time). */
 static inline __attribute__((always_inline)) void
-vectors_of(const Pool *pool, const int32_t *pages, int32_t from, int32_t to, int head, int plane, int kind,
-           const float *table, int dim, float *staging, const float **rows) {
+prefetch_page_ahead(const Pool *pool, const int32_t *pages, int64_t page, int64_t pages_used, int head, int plane,
+                    int64_t vector_bytes) {
+    int64_t next = page + PREFETCH_PAGES;
+    if (plane == 0 && next >= pages_used) next -= pages_used, plane = 1;
+    if (next >= pages_used) return;
+    const uint8_t *at = pool->base + plane * pool->plane_stride + pages[next] * pool->page_stride +
+                        head * pool->head_stride;
+    for (int32_t t = 0; t < pool->page_size; t++, at += pool->token_stride)
+        for (int64_t b = 0; b < vector_bytes; b += 64) __builtin_prefetch(at + b, 0, 3);
+}
+
+/* Pointers to keys' (plane 0) or values' (plane 1) vectors from .. to - 1 of one head, as float32:
+ * straight into the pages for float32 pages, else converted into `staging` (key j at row j - from).
+ * `keys`: how many the walk reads in all (what is fetched ahead stays inside them). */
+static inline __attribute__((always_inline)) void
+vectors_of(const Pool *pool, const int32_t *pages, int32_t from, int32_t to, int32_t keys, int head, int plane,
+           int kind, const float *table, int dim, float *staging, const float **rows) {
     const uint8_t *page = NULL;
+    const int64_t pages_used = ((int64_t)keys + pool->page_size - 1) / pool->page_size;
+    const int64_t vector_bytes = (int64_t)dim * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
     for (int32_t j = from, offset = from % pool->page_size; j < to; j++, offset++) {
         if (page == NULL || offset == pool->page_size) {  /* the next page (no division per key) */
-            page = pool->base + plane * pool->plane_stride + pages[j / pool->page_size] * pool->page_stride +
+            const int64_t index = j / pool->page_size;
+            page = pool->base + plane * pool->plane_stride + pages[index] * pool->page_stride +
                    head * pool->head_stride;
             offset = j % pool->page_size;
+            prefetch_page_ahead(pool, pages, index, pages_used, head, plane, vector_bytes);
         }
         const uint8_t *at = page + offset * pool->token_stride;
         if (kind == KV_F32) {
@@ -279,7 +302,7 @@ attend_vectors16(const float *q, float *out, const int32_t *keys, int64_t row_fl
     const int32_t chunk = dim <= 1024 ? (4096 / dim) & ~3 : 4;
     for (int32_t from = 0; from < most; from += chunk) {
         const int32_t to = from + chunk < most ? from + chunk : most;
-        vectors_of(pool, pages, from, to, h, 0, kind, k_table, dim, staging, key_rows);
+        vectors_of(pool, pages, from, to, most, h, 0, kind, k_table, dim, staging, key_rows);
         for (int i = 0; i < count; i++)
             if (from < seen[i])
                 scores16(query[i], key_rows, from, to < seen[i] ? to : seen[i], dim, scale, scores + i * stride);
@@ -287,7 +310,7 @@ attend_vectors16(const float *q, float *out, const int32_t *keys, int64_t row_fl
     for (int i = 0; i < count; i++) softmax16(scores + i * stride, seen[i]);
     for (int32_t from = 0; from < most; from += chunk) {
         const int32_t to = from + chunk < most ? from + chunk : most;
-        vectors_of(pool, pages, from, to, h, 1, kind, v_table, dim, staging, value_rows);
+        vectors_of(pool, pages, from, to, most, h, 1, kind, v_table, dim, staging, value_rows);
         for (int i = 0; i < count; i++)
             if (from < seen[i])
                 weighted_sum16(row_out[i], scores + i * stride, value_rows, from, to < seen[i] ? to : seen[i], dim);
@@ -315,8 +338,8 @@ attend_head(const float *q, float *out, int32_t rows, const int32_t *keys, int32
                              stride, pool, pages, kind, k_table, v_table, staging, key_rows, value_rows);
         return;
     }
-    vectors_of(pool, pages, 0, longest, h, 0, kind, k_table, dim, staging, key_rows);
-    vectors_of(pool, pages, 0, longest, h, 1, kind, v_table, dim, staging + (int64_t)longest * dim, value_rows);
+    vectors_of(pool, pages, 0, longest, longest, h, 0, kind, k_table, dim, staging, key_rows);
+    vectors_of(pool, pages, 0, longest, longest, h, 1, kind, v_table, dim, staging + (int64_t)longest * dim, value_rows);
     for (int32_t r = 0; r < rows; r++) {
         for (int g = g_first; g < g_end; g++) {
             const float *query = q + r * row_floats + (h * group + g) * dim;
