@@ -63,7 +63,12 @@ class DecoderArgs(ctypes.Structure):
                 ("product_kernel", _I32)]
 
 
-_FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _INT]
+class ContextArgs(ctypes.Structure):  # decoder_forward.c's ContextRows
+    _fields_ = [("features", _P), ("width", _I64), ("fc", _P), ("hidden_norm", _P), ("rows", _I64),
+                ("positions", _P), ("slots", _P)]
+
+
+_FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _INT, _P]
 _CONTEXT_ARGS = [_P, _P, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _INT]
 ROPE_POSITIONS_MIN = 1024  # the rotary table's first size; it doubles past the largest position asked
 
@@ -174,7 +179,26 @@ class NativeForward:
                    slot_mapping: torch.Tensor, kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
                    backend: NativeCpuAttentionBackend) -> None:
         """DFlash's context rows in one call: features [Tc, F] → rms_norm(fc(features)) · hidden_norm →
-        every layer's K/V, written at `slot_mapping` [Tc]."""
+        every layer's K/V, written at `slot_mapping` [Tc]. (A block's forward takes them itself:
+        `__call__`'s `context`.)"""
+        context = self.context_rows(features, fc, hidden_norm, positions, slot_mapping)
+        if context.rows == 0:
+            return
+        self._point_at_pool(kv_caches, backend)
+
+        def call() -> int:
+            return self._entries.context_kv(ctypes.byref(self._decoder), self._layers, context.features, context.width,
+                                            context.fc, context.hidden_norm, context.rows, self._rope.data_ptr(),
+                                            self._rope.shape[0], context.positions, context.slots,
+                                            torch.get_num_threads())
+        status = self._with_rope_for(call, context.kept[1])
+        if status != 0:
+            raise ValueError(f"native context K/V: {STATUS.get(status, f'status {status}')}")
+
+    def context_rows(self, features: torch.Tensor, fc: TiledLinear, hidden_norm: torch.Tensor,
+                     positions: torch.Tensor, slot_mapping: torch.Tensor) -> ContextArgs:
+        """DFlash's context rows checked and pointed at (features [Tc, F], positions and slots [Tc]); the
+        tensors they point into are kept on the result (`.kept`) for as long as it is used."""
         rows = features.shape[0]
         if features.shape != (rows, fc.in_features) or fc.out_features != self._decoder.hidden:
             raise ValueError(f"context rows {tuple(features.shape)} for an fc of {fc.in_features}->{fc.out_features}")
@@ -182,21 +206,13 @@ class NativeForward:
             raise ValueError(f"{rows} context rows with {positions.shape[0]} positions and {slot_mapping.shape[0]} slots")
         if fc.kernel != self._decoder.product_kernel:
             raise ValueError("the context fc runs on another product kernel than the draft layers")
-        if rows == 0:
-            return
-        self._point_at_pool(kv_caches, backend)
         features = features.to(torch.bfloat16).contiguous()
         norm = self._norm_copy(hidden_norm)
         slots, positions = slot_mapping.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-
-        def call() -> int:
-            return self._entries.context_kv(ctypes.byref(self._decoder), self._layers, features.data_ptr(),
-                                            fc.in_features, fc._packed_address, norm.data_ptr(), rows,
-                                            self._rope.data_ptr(), self._rope.shape[0], positions.data_ptr(),
-                                            slots.data_ptr(), torch.get_num_threads())
-        status = self._with_rope_for(positions, call)
-        if status != 0:
-            raise ValueError(f"native context K/V: {STATUS.get(status, f'status {status}')}")
+        context = ContextArgs(features.data_ptr(), fc.in_features, fc._packed_address, norm.data_ptr(), rows,
+                              positions.data_ptr(), slots.data_ptr())
+        context.kept = (features, positions, slots, norm)
+        return context
 
     def _norm_copy(self, weight: torch.Tensor) -> torch.Tensor:
         """A float32 copy of a norm weight outside the stack (DFlash's hidden norm), made once."""
@@ -235,9 +251,13 @@ class NativeForward:
         backend: NativeCpuAttentionBackend,
         capture_layers: Sequence[int] = (),
         capture_into: torch.Tensor | None = None,  # [T, len(capture_layers) * hidden] float32 or bfloat16
+        context: ContextArgs | None = None,  # DFlash's new context rows (`context_rows`), K/V written first
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """With `capture_into` (a staging buffer's rows), the captured layers are written there side
-        by side in `capture_layers`' order, rounded to its dtype, and the returned dict is empty."""
+        by side in `capture_layers`' order, rounded to its dtype, and the returned dict is empty.
+        With `context`, each layer's qkv product takes those rows ahead of the step's and writes
+        their K/V before the step attends (what `context_kv` then this call would do, in one pass
+        over the weights)."""
         tokens = input_ids.shape[0]
         rows = backend._rows
         if rows is None or rows.row_keys.shape[0] != tokens or positions.shape[0] != tokens:
@@ -258,20 +278,21 @@ class NativeForward:
                                          tokens, self._rope.data_ptr(), self._rope.shape[0], positions.data_ptr(),
                                          rows.page_table.data_ptr(), rows.page_table.shape[1],
                                          rows.page_table.shape[0], rows.row_start.data_ptr(), rows.row_keys.data_ptr(),
-                                         rows.slot_mapping.data_ptr(), rows.threads)
-        status = self._with_rope_for(positions, call)
+                                         rows.slot_mapping.data_ptr(), rows.threads,
+                                         None if context is None or context.rows == 0 else ctypes.byref(context))
+        status = self._with_rope_for(call, positions, *(() if context is None else (context.kept[1],)))
         if status != 0:
             raise ValueError(f"native forward: {STATUS.get(status, f'status {status}')}")
         return out, captured
 
-    def _with_rope_for(self, positions: torch.Tensor, call) -> int:
+    def _with_rope_for(self, call, *positions: torch.Tensor) -> int:
         """`call()`'s status, the rotary table grown first when a position lies past it (the C side
         checks every position before it writes anything, so a refused call changed nothing)."""
         status = call()
         if status != BAD_POSITION:
             return status
-        largest = int(positions.max())
-        if int(positions.min()) < 0:
+        largest = max(int(p.max()) for p in positions if p.numel())
+        if min(int(p.min()) for p in positions if p.numel()) < 0:
             return status
         size = max(ROPE_POSITIONS_MIN, self._rope.shape[0])
         while size <= largest:

@@ -482,9 +482,11 @@ class DFlashDraftModel(FeatureHead):
                 self._write_new_context(new_context, kv_caches, layout)
             hidden, _ = self.compiled_block(ids, positions, meta, kv_caches, backend)  # [T, hidden], normed
         elif self.native_block is not None and self.native_block.runs(backend, kv_caches):
-            if new_context is not None:
-                self._write_context_rows(new_context, kv_caches, layout, backend)
-            hidden, _ = self.native_block(ids, positions, meta, kv_caches, backend)  # [T, hidden] float32, normed
+            context = None if new_context is None else self.native_block.context_rows(
+                new_context.features, self.fc, self.hidden_norm.weight, new_context.positions,
+                new_context.slot_mapping)  # written inside the block's forward, one pass over the weights
+            hidden, _ = self.native_block(ids, positions, meta, kv_caches, backend,
+                                          context=context)  # [T, hidden] float32, normed
             hidden = hidden.to(self.dtype)
         elif new_context is None:
             hidden, _ = self.forward_block(ids, positions, meta, kv_caches, backend)

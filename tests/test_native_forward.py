@@ -52,8 +52,8 @@ def model(tmp_path_factory):
 
 # Head shapes whose attention over bfloat16 pages of 16 runs on AMX tiles (tile_attention.c): two
 # and four query heads a KV head, 1-4 tiles of 32 dimensions
-TILED_HEADS = {"dim64-group2": dict(head_dim=64), "dim128-group2": dict(head_dim=128),
-               "dim32-group4": dict(head_dim=32, num_key_value_heads=1), "dim64-group4": dict(head_dim=64, num_key_value_heads=1)}
+TILED_HEADS = {"dim64-group2": {"head_dim": 64}, "dim128-group2": {"head_dim": 128},
+               "dim32-group4": {"head_dim": 32, "num_key_value_heads": 1}, "dim64-group4": {"head_dim": 64, "num_key_value_heads": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +298,55 @@ def test_dflash_context_and_block_in_native_calls_compute_what_torch_does(spec_m
         assert scale > 0 and ((native.float() - eager.float()).abs().max() / scale) < 0.05
     scale = eager_logits.abs().max()
     assert ((native_logits - eager_logits).abs().max() / scale) < 0.05
+
+
+def test_context_rows_inside_the_block_forward_are_context_kv_then_the_block_to_the_bit(spec_models):
+    """The block's forward with DFlash's context rows (`context=`: one pass over each layer's weights)
+    writes the pages and returns the rows that `context_kv` then the forward do, bit for bit; a
+    crafted context slot is refused before anything is written."""
+    from draft_service.dflash_model import DFlashDraftModel, TargetHeads, block_metadata, block_positions
+    from draft_service.target_heads import load_target_heads
+
+    heads = load_target_heads(str(spec_models.target), torch.bfloat16, "cpu")
+    pack_cpu_linears(heads, log)
+    model = DFlashDraftModel.from_pretrained(spec_models.dflash, TargetHeads(embed=heads.embed, lm_head=heads.lm_head),
+                                             torch.bfloat16, "cpu")
+    pack_cpu_linears(model, log, whole_forward_on_tiles=True)
+    assert model.use_native(heads.model.embed_tokens.weight) is None
+    native = model.native_block
+    layout = build_layout(order="NHD", page_size=PAGE_SIZE, kv_dtype="bfloat16", num_pages=8,
+                          layers=model.kv_layer_specs())
+    features = torch.randn(20, model.feature_width, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    context_slots = torch.tensor([PAGE_SIZE + i for i in range(16)] + [2 * PAGE_SIZE + i for i in range(4)])
+    ids = torch.tensor([5, 9, 9, 9, 9])
+    meta = block_metadata([20], [[1, 2]], 4, PAGE_SIZE, torch.device("cpu"))
+    positions = block_positions([20], 4, torch.device("cpu"))
+
+    def run(fused: bool, slots: torch.Tensor = context_slots,
+            caches: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if caches is None:
+            caches = [torch.zeros(layout.region_shape(spec), dtype=layout.torch_dtype) for spec in layout.layers]
+        backend = NativeCpuAttentionBackend(layout)
+        backend.plan(meta)
+        args = (features, model.fc, model.hidden_norm.weight, torch.arange(20), slots)
+        with torch.inference_mode():
+            if fused:
+                hidden, _ = native(ids, positions, meta, caches, backend, context=native.context_rows(*args))
+            else:
+                native.context_kv(*args, caches, backend)
+                hidden, _ = native(ids, positions, meta, caches, backend)
+        return hidden, caches
+
+    (apart, apart_pages), (fused, fused_pages) = run(False), run(True)
+    assert torch.equal(fused, apart)
+    assert all(torch.equal(a, b) for a, b in zip(apart_pages, fused_pages, strict=True))
+    assert any(bool(page.float().abs().sum() > 0) for page in fused_pages)
+    crafted = context_slots.clone()
+    crafted[3] = 8 * PAGE_SIZE  # past the pool
+    untouched = [torch.zeros(layout.region_shape(spec), dtype=layout.torch_dtype) for spec in layout.layers]
+    with pytest.raises(ValueError, match="a slot outside the pool"):
+        run(True, crafted, untouched)
+    assert all(not page.float().abs().sum() for page in untouched)
 
 
 def test_positions_past_the_rotary_table_grow_it_and_negative_ones_are_refused(model):

@@ -224,6 +224,32 @@ static void queries_and_kv(const Decoder *d, const DecoderLayer *layer, const fl
     });
 }
 
+// Context rows' K (normed, rotated) and V stored at their slots from the qkv product rows
+// [T, (Hq + 2 Hkv) D]; their q part is dropped.
+static void context_kv_rows(const Decoder *d, const DecoderLayer *layer, const float *qkv, const float *rope,
+                            const int64_t *positions, const int64_t *slots, int64_t rows, int threads) {
+    const int64_t dim = d->head_dim, width = (d->q_heads + 2 * d->kv_heads) * dim;
+    const int team = team_for(rows * d->kv_heads * dim, threads);
+    ROWS_LOOP(team, rows * d->kv_heads, item, {
+        const int64_t t = item / d->kv_heads;
+        query_or_kv_item(d, layer, qkv + t * width, NULL, rope + positions[t] * 2 * dim, slots[t],
+                         d->q_heads + item % d->kv_heads);
+    });
+}
+
+// DFlash's context rows, K/V computed inside the block's forward (NULL: none): features [rows, width]
+// bfloat16 (the target's hidden states side by side) → rms_norm(features · fcᵀ) · hidden_norm, whose
+// K and V every layer writes at slots[t] (row t at positions[t]) before the block attends. The block's
+// qkv product takes these rows too: one pass over each layer's weights instead of two calls' two.
+typedef struct {
+    const uint16_t *features;
+    int64_t width;
+    const uint16_t *fc;  // tile-packed [hidden, width]
+    const float *hidden_norm;
+    int64_t rows;
+    const int64_t *positions, *slots;
+} ContextRows;
+
 
 static void norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
     for (int64_t t = 0; t < rows; t++) {
@@ -252,14 +278,21 @@ static int checked_rows(const Decoder *d, const int64_t *slots, const int64_t *p
 int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, float *x, float *out, int64_t rows,
                               const float *rope, int64_t rope_positions, const int64_t *positions,
                               const int32_t *page_table, int64_t table_len, int64_t num_seqs, const int32_t *row_start,
-                              const int32_t *row_keys, const int64_t *slots, int threads) {
+                              const int32_t *row_keys, const int64_t *slots, int threads,
+                              const ContextRows *context) {
     if (!kernel_runs(d->product_kernel)) return FWD_NO_PRODUCTS;
     if (rows <= 0 || d->head_dim % 2 || d->head_dim > 512 || (d->kv_kind != KV_F32 && d->kv_kind != KV_BF16) ||
         d->kv_heads < 1 || d->q_heads % d->kv_heads || (d->capture_kind != KV_F32 && d->capture_kind != KV_BF16) ||
         d->capture_stride < d->hidden)
         return FWD_BAD_SHAPE;
+    const int64_t ctx = context != NULL ? context->rows : 0;  // context rows ahead of the block's in each qkv product
+    if (ctx < 0 || (ctx > 0 && (context->width <= 0 || d->layers < 1))) return FWD_BAD_SHAPE;
     const int rows_status = checked_rows(d, slots, positions, rows, rope_positions);
     if (rows_status != FWD_OK) return rows_status;
+    if (ctx > 0) {
+        const int context_status = checked_rows(d, context->slots, context->positions, ctx, rope_positions);
+        if (context_status != FWD_OK) return context_status;
+    }
     // every page the attention will read, checked before the first write: a refused step changes nothing
     const Pool pool = {NULL, 0, 0, 0, 0, d->num_pages, d->page_size};
     const int32_t most = checked_sequences(&pool, page_table, table_len, num_seqs, row_start, row_keys, rows);
@@ -269,9 +302,12 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     const int64_t hidden = d->hidden, inter = d->intermediate, dim = d->head_dim;
     const int64_t q_width = d->q_heads * dim, qkv_width = (d->q_heads + 2 * d->kv_heads) * dim;
     const int64_t narrow = hidden > q_width ? (hidden > inter ? hidden : inter) : (q_width > inter ? q_width : inter);
-    const int64_t wide = qkv_width > 2 * inter ? qkv_width : 2 * inter;
-    uint16_t *product_in = malloc(sizeof(uint16_t) * (size_t)(rows * narrow));
-    float *product_out = malloc(sizeof(float) * (size_t)(rows * wide));
+    const int64_t wide_products = qkv_width > 2 * inter ? qkv_width : 2 * inter;
+    const int64_t wide = wide_products > hidden ? wide_products : hidden;  // the context fc's output too
+    // product_in: the context's rows (normed once), then the block's; product_out as many
+    uint16_t *product_in = malloc(sizeof(uint16_t) * (size_t)((ctx + rows) * narrow));
+    float *product_out = malloc(sizeof(float) * (size_t)((ctx + rows) * wide));
+    uint16_t *context_normed = ctx > 0 ? malloc(sizeof(uint16_t) * (size_t)(ctx * hidden)) : NULL;
     float *queries = malloc(sizeof(float) * (size_t)(rows * q_width));
     float *attended = malloc(sizeof(float) * (size_t)(rows * q_width));
     float *delta = malloc(sizeof(float) * (size_t)(rows * hidden));
@@ -279,14 +315,25 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     const int64_t scratch_floats = tiles ? tile_attention_scratch(d, most) : 0;
     float *scratch = tiles ? malloc(sizeof(float) * (size_t)(threads * scratch_floats)) : NULL;
     int status = FWD_OK;
-    if (!product_in || !product_out || !queries || !attended || !delta || (tiles && !scratch)) status = FWD_NO_MEMORY;
-    if (status == FWD_OK && d->layers > 0)  // after a failed allocation nothing is written
-        norm_rows_to_bf16(x, layers[0].input_norm, product_in, rows, hidden, d->eps, threads);
+    if (!product_in || !product_out || !queries || !attended || !delta || (tiles && !scratch) ||
+        (ctx > 0 && !context_normed))
+        status = FWD_NO_MEMORY;
+    uint16_t *block_in = product_in + ctx * hidden;  // the block rows' normed input to each qkv product
+    if (status == FWD_OK && ctx > 0) {  // after a failed allocation nothing is written
+        PRODUCT(context->features, ctx, context->width, context->fc, hidden, product_out, 1, threads);
+        if (status == FWD_OK)
+            norm_rows_to_bf16(product_out, context->hidden_norm, context_normed, ctx, hidden, d->eps, threads);
+    }
+    if (status == FWD_OK && d->layers > 0)
+        norm_rows_to_bf16(x, layers[0].input_norm, block_in, rows, hidden, d->eps, threads);
     for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
-        const DecoderLayer *layer = layers + i;  // product_in: x normed by its input norm
-        PRODUCT(product_in, rows, hidden, layer->qkv, qkv_width, product_out, 1, threads);
+        const DecoderLayer *layer = layers + i;  // block_in: x normed by its input norm
+        if (ctx > 0) memcpy(product_in, context_normed, sizeof(uint16_t) * (size_t)(ctx * hidden));
+        PRODUCT(product_in, ctx + rows, hidden, layer->qkv, qkv_width, product_out, 1, threads);
         if (status != FWD_OK) break;
-        queries_and_kv(d, layer, product_out, queries, rope, positions, slots, rows, threads);
+        if (ctx > 0)  // the context's K/V in the pages before the block attends
+            context_kv_rows(d, layer, product_out, rope, context->positions, context->slots, ctx, threads);
+        queries_and_kv(d, layer, product_out + ctx * qkv_width, queries, rope, positions, slots, rows, threads);
         if (tiles)
             tile_attention(d, layer->kv, queries, attended, page_table, table_len, num_seqs, row_start, row_keys,
                            scratch, scratch_floats, threads);
@@ -307,7 +354,7 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
         PRODUCT(product_in, rows, inter, layer->down, hidden, delta, 1, threads);
         if (status != FWD_OK) break;
         if (i + 1 < d->layers)  // the residual, its capture, and the next layer's input norm in one pass
-            residual_norm_rows_to_bf16(d, x, delta, layer[1].input_norm, product_in, layer->capture, rows, threads);
+            residual_norm_rows_to_bf16(d, x, delta, layer[1].input_norm, block_in, layer->capture, rows, threads);
         else
             add_rows(x, delta, rows * hidden, threads);
     }
@@ -322,6 +369,7 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
     free(attended);
     free(delta);
     free(scratch);
+    free(context_normed);
     return status;
 }
 
