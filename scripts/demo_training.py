@@ -77,6 +77,12 @@ class Sizes:
     draft_batch: int
     draft_distill_batch: int
     draft_lr: float
+    # the target's anneal (0 steps: none): windows of whole top-level-style functions, each beginning
+    # at a `def` as a user's prompt does, mixed with corpus windows, at a low learning rate
+    anneal_steps: int = 0
+    anneal_batch: int = 2
+    anneal_lr: float = 3e-4
+    anneal_function_share: float = 0.5
     dflash_loss_gamma: float = 4.0  # block position k (1-based) weighs exp(-(k - 1) / gamma)
     corpus: str = "stdlib"  # one of CORPORA
     stdlib_share: float = 1.0  # with packages: the share of training windows cut from the stdlib
@@ -100,6 +106,10 @@ class Sizes:
             raise ValueError(f"target_layer_ids {self.target_layer_ids} must name layers of the {self.layers}")
         if max(self.gen_prompt_lens) >= self.gen_total_len or self.gen_total_len > self.context:
             raise ValueError("prompts must be shorter than gen_total_len, and gen_total_len fit the context")
+        if self.anneal_steps < 0 or self.anneal_batch < 1 or self.anneal_lr <= 0 or not (
+                0.0 <= self.anneal_function_share <= 1.0):
+            raise ValueError("anneal_steps must be ≥ 0, anneal_batch ≥ 1, anneal_lr > 0 and anneal_function_share "
+                             "in [0, 1]")
         if self.threads < 1 or self.dflash_loss_gamma <= 0 or self.heldout_evals < 0:
             raise ValueError("threads must be ≥ 1, dflash_loss_gamma > 0 and heldout_evals ≥ 0")
         if self.dflash_layers < 1 or self.draft_layers < 1:
@@ -144,7 +154,7 @@ SMOKE = Sizes(
     block_size=9, dflash_steps=20, dflash_batch=4, dflash_anchors=4, dflash_lr=3e-3,
     draft_hidden=32, draft_layers=1, draft_intermediate=64, draft_heads=2, draft_kv_heads=1, draft_head_dim=16,
     draft_pretrain_steps=10, draft_distill_steps=10, draft_batch=4, draft_distill_batch=4, draft_lr=3e-3,
-    max_files=40,
+    anneal_steps=8, max_files=40,
 )
 SEED = 1234
 
@@ -288,6 +298,49 @@ def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
         ids.extend(encoding.ids)
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def whole_functions(texts: list[str], shortest: int = 60, longest: int = 1200) -> list[str]:
+    """The functions a prompt such as `def is_prime(n):` asks for, in file order: every undecorated
+    `def` of `texts` that is not a method (its first argument is not self or cls) and returns a value,
+    dedented to column 0 and without its docstring (a bare `def` line is then followed by code, not
+    by the corpus's long docstrings), `shortest`..`longest` characters."""
+    import ast
+    import textwrap
+
+    found = []
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+        lines = text.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.decorator_list or node.end_lineno is None:
+                continue
+            first = node.args.posonlyargs + node.args.args
+            if first and first[0].arg in ("self", "cls"):
+                continue
+            if not any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node)):
+                continue
+            body = node.body
+            docstring = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                         and isinstance(body[0].value.value, str))
+            if docstring and (len(body) == 1 or body[0].lineno == node.lineno or body[0].end_lineno >= body[1].lineno):
+                continue  # nothing but a docstring, or code on its last line
+            kept = lines[node.lineno - 1:body[0].lineno - 1] + lines[body[0].end_lineno:node.end_lineno] \
+                if docstring else lines[node.lineno - 1:node.end_lineno]
+            source = textwrap.dedent("".join(kept))
+            if shortest <= len(source) <= longest and source.startswith("def "):
+                found.append(source)
+    return found
+
+
+def aligned_windows(stream: torch.Tensor, starts: torch.Tensor, batch: int, length: int,
+                    generator: torch.Generator) -> torch.Tensor:
+    """[B, length] windows of `stream` that each begin at one of `starts` (< numel - length)."""
+    picks = starts[torch.randint(0, starts.numel(), (batch,), generator=generator)]
+    return torch.stack([stream[s:s + length] for s in picks.tolist()])
 
 
 def random_windows(stream: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:

@@ -88,6 +88,7 @@ from demo_training import (
     Sizes,
     Source,
     StepOptions,
+    aligned_windows,
     heldout_documents,
     keep_temp_files_in,
     load_corpus,
@@ -103,6 +104,7 @@ from demo_training import (
     stdlib_dir,
     token_stream,
     warmup_steps,
+    whole_functions,
 )
 
 from splitspec.tokenizer import train_bpe_tokenizer
@@ -279,6 +281,63 @@ def target_stage(ctx: Context, streams: Streams, tokenizer):
     return model, result
 
 
+@dataclass
+class Functions:
+    """The anneal's functions (`whole_functions` of the training files) as one token stream, each
+    followed by a blank line, and where each begins."""
+
+    stream: torch.Tensor  # [n] int64
+    starts: torch.Tensor  # [count] int64, each < n - context
+    count: int
+
+    def windows(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        return aligned_windows(self.stream, self.starts, batch, length, generator)  # [B, length]
+
+
+def functions_stage(ctx: Context, sources: list[Source], tokenizer) -> Functions:
+    """The training files' functions, tokenized once and kept in the work folder (as the streams are:
+    packages installed since change nothing)."""
+    path = ctx.work.file("functions.pt")
+    saved = load_checkpoint(path)
+    if saved is None:
+        functions = whole_functions([text for source in sources for text in source.texts])
+        pieces = [tokenizer(f + "\n\n", add_special_tokens=False).input_ids for f in functions]
+        starts = torch.tensor([0] + [len(p) for p in pieces[:-1]], dtype=torch.long).cumsum(0)
+        saved = {"stream": torch.tensor([t for p in pieces for t in p], dtype=torch.int32), "starts": starts,
+                 "count": len(functions)}
+        atomic_save(saved, path)
+    stream = saved["stream"].long()
+    starts = saved["starts"][saved["starts"] < stream.numel() - ctx.sizes.context]
+    if starts.numel() == 0:
+        raise RuntimeError(f"the corpus holds too few functions for one anneal window of {ctx.sizes.context} tokens")
+    log(f"anneal: {saved['count']} functions, {stream.numel()} tokens")
+    return Functions(stream, starts, saved["count"])
+
+
+def anneal_stage(ctx: Context, target, functions: Functions, streams: Streams, tokenizer):
+    """The target fine-tuned on windows that begin at a function's `def` (what a prompt such as
+    `def is_prime(n):` looks like: nothing before it) mixed with corpus windows: the pretrained
+    target reads a bare `def` as a method's (most of its corpus) and indents the body 8 spaces."""
+    sizes = ctx.sizes
+    generator = torch.Generator().manual_seed(SEED + 5)
+    functions_per_batch = round(sizes.anneal_batch * sizes.anneal_function_share)
+
+    def batches(step):
+        ids = torch.cat([functions.windows(functions_per_batch, sizes.context, generator),
+                         streams.windows(sizes.anneal_batch - functions_per_batch, sizes.context, generator)])
+        return ids, ids
+
+    documents = heldout_documents(tokenizer)
+
+    def evaluate() -> dict[str, float]:
+        return {"heldout_perplexity": perplexity(served_copy(target), documents, sizes.context)[0]}
+
+    target.train()
+    result = lm_loop(ctx, "anneal", target, batches, sizes.anneal_steps, sizes.anneal_lr, {"windows": generator},
+                     evaluate, min(sizes.heldout_evals, 2))
+    return target.eval(), result
+
+
 def served_copy(model):
     """The target as the services run it on a CPU: weights stored in bf16, computed in fp32."""
     import copy
@@ -407,7 +466,8 @@ def draft_model_stage(ctx: Context, streams: Streams, data: Continuations, token
 
 def run_identity(sizes: Sizes, sources: list[Source], target_from: PretrainedTarget | None = None) -> dict:
     """What a work folder's run is: a rerun must match it to continue it."""
-    recipe = {k: v for k, v in asdict(sizes).items() if k != "threads"}
+    recipe = {k: v for k, v in asdict(sizes).items()
+              if k != "threads" and not (k.startswith("anneal_") and sizes.anneal_steps == 0)}  # as before anneals
     identity = {"sizes": recipe, "seed": SEED, "corpus": {s.name: s.digest() for s in sources}}
     if target_from is not None:
         identity["target_from"] = target_from.identity()
@@ -487,15 +547,23 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
     else:
         target, target_record = pretrained.load_model(), pretrained.record()
         log(f"target: {target_from}/target, trained by an earlier run; training the drafters only")
+    anneal_run, functions = None, None
+    annealed_before = pretrained is not None and pretrained.history.get("anneal") is not None
+    if sizes.anneal_steps and not annealed_before:  # the target's recipe finished: an earlier run's too
+        functions = functions_stage(ctx, sources, tokenizer)
+        target, anneal_run = anneal_stage(ctx, target, functions, streams, tokenizer)
     served = served_copy(target)
     data, continuations = continuations_stage(ctx, served, streams, tokenizer.eos_token_id)
     dflash, dflash_run = dflash_stage(ctx, served, data, tokenizer)
     draft, pretrain_run, distill_run = draft_model_stage(ctx, streams, data, tokenizer)
 
     stage_seconds = {"tokenizer": streams.seconds, "target": target_record.pop("target_seconds"),
+                     "anneal": anneal_run.seconds if anneal_run is not None else 0.0,
                      "continuations": continuations["seconds"], "dflash": dflash_run.seconds,
                      "draft_model": pretrain_run.seconds + distill_run.seconds}
     loops = {"dflash": dflash_run, "draft_pretrain": pretrain_run, "draft_distill": distill_run}
+    if anneal_run is not None:
+        loops = {"anneal": anneal_run} | loops
     history = {
         "sizes": asdict(sizes), "held_out": list(HELD_OUT), "python": sys.version.split()[0],
         "torch": torch.__version__, "seed": SEED, "compiled": compile_steps,
@@ -511,6 +579,13 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
         **{k: v for k, v in target_record.items() if k != "target_loss_curve"},
         "continuations": int(data.ids.shape[0]),
         "continuation_tokens": int((data.valid_lens - data.prompt_lens).sum()),
+        "anneal": pretrained.history.get("anneal") if anneal_run is None and pretrained is not None else None
+        if anneal_run is None else {
+            "steps": sizes.anneal_steps, "final_loss": anneal_run.tail_mean("loss"),
+            "heldout_perplexity": anneal_run.evaluations, "functions": functions.count,
+            "function_tokens": int(functions.stream.numel()), "seconds": round(anneal_run.seconds, 1),
+            "on_target_from": pretrained is not None,
+        },
         "dflash_final_loss": dflash_run.tail_mean("loss"),
         "dflash_train_accepted_per_block": dflash_run.tail_mean("accepted"),
         "draft_pretrain_final_loss": pretrain_run.tail_mean("loss"),
@@ -525,7 +600,7 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
 
     def write_outputs(folder: Path) -> None:
         shutil.copytree(work.file("tokenizer"), folder / "tokenizer")
-        if pretrained is None:
+        if pretrained is None or anneal_run is not None:
             save_lm(target, tokenizer, folder / "target")
         else:  # byte for byte what the drafters were trained for
             shutil.copytree(pretrained.folder / "target", folder / "target")

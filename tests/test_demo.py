@@ -85,7 +85,7 @@ def test_smoke_run_writes_every_part(smoke_dir):
     assert complete(smoke_dir)
     history = json.loads((smoke_dir / "training.json").read_text())
     assert history["held_out"] == list(demo_training.HELD_OUT)
-    assert set(history["stage_seconds"]) == {"tokenizer", "target", "continuations", "dflash", "draft_model"}
+    assert set(history["stage_seconds"]) == {"tokenizer", "target", "anneal", "continuations", "dflash", "draft_model"}
     assert not smoke_dir.with_name(smoke_dir.name + ".partial").exists()
 
 
@@ -93,7 +93,7 @@ def test_smoke_run_writes_every_part(smoke_dir):
 # Resumable training
 
 SMOKE_CMD = [sys.executable, "scripts/train_demo.py", "--smoke", "--threads", "1", "--checkpoint-steps", "4"]
-LOOPS = ("target", "dflash", "draft_pretrain", "draft_distill")
+LOOPS = ("target", "anneal", "dflash", "draft_pretrain", "draft_distill")
 
 
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -132,7 +132,8 @@ def test_training_killed_mid_stage_resumes_to_the_same_result(tmp_path):
     out = tmp_path / "resumed" / "demo"
     work = out.with_name("demo.partial")
     # (stage, step it pauses after, step its checkpoint holds): killed between checkpoints
-    kills = [("target", 14, 12), ("continuations", 2, 2), ("dflash", 10, 8), ("draft_distill", 7, 4)]
+    kills = [("target", 14, 12), ("anneal", 6, 4), ("continuations", 2, 2), ("dflash", 10, 8),
+             ("draft_distill", 7, 4)]
     for stage, step, saved in kills:
         log = _kill_when_paused(out, stage, step, tmp_path / f"{stage}.log")
         if stage == "continuations":
@@ -144,8 +145,8 @@ def test_training_killed_mid_stage_resumes_to_the_same_result(tmp_path):
     rerun = _train(out, "--keep-work")
 
     history = json.loads((out / "training.json").read_text())
-    assert history["resumed_from"] == {"target": [12], "continuations": [2], "dflash": [8], "draft_pretrain": [],
-                                       "draft_distill": [4]}, rerun.stdout
+    assert history["resumed_from"] == {"target": [12], "anneal": [4], "continuations": [2], "dflash": [8],
+                                       "draft_pretrain": [], "draft_distill": [4]}, rerun.stdout
     expected = _loop_results(reference / "demo.partial")
     got = _loop_results(work)
     for name in LOOPS:
@@ -213,6 +214,44 @@ def test_target_from_trains_the_same_drafters_for_that_target(smoke_dir, tmp_pat
         assert history[key] == source[key], key
     assert history["loss_curves"]["target"] == source["loss_curves"]["target"]
     assert history["stage_seconds"]["target"] == source["stage_seconds"]["target"]
+
+
+def test_target_from_a_run_without_the_anneal_anneals_its_target_first(smoke_dir, tmp_path):
+    """An earlier run's target whose record has no anneal (the recipe's last target stage) gets it
+    before its drafters are trained; the output carries the annealed target, not the folder's."""
+    earlier = tmp_path / "earlier"
+    shutil.copytree(smoke_dir, earlier)
+    history = json.loads((earlier / "training.json").read_text())
+    assert history["anneal"]["steps"] == demo_training.SMOKE.anneal_steps and history["anneal"]["functions"] > 0
+    del history["anneal"]
+    (earlier / "training.json").write_text(json.dumps(history))
+    out = tmp_path / "annealed"
+    run = subprocess.run([sys.executable, "scripts/train_demo.py", "--smoke", "--threads", "1", "--out", str(out),
+                          "--target-from", str(earlier)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "anneal step" in run.stdout and "target step" not in run.stdout
+    assert _weights(out, "target") != _weights(earlier, "target")
+    record = json.loads((out / "training.json").read_text())["anneal"]
+    assert record["on_target_from"] and record["steps"] == demo_training.SMOKE.anneal_steps
+
+
+def test_whole_functions_are_top_level_code_without_docstrings():
+    source = (
+        "def kept(n):\n"
+        '    """Its docstring,\n    two lines."""\n'
+        "    total = n + 1\n"
+        "    return total\n\n"
+        "class Box:\n"
+        "    def method(self):\n        return 1\n\n"
+        "    def nested_function(n, k):\n        if n:\n            return k\n        return n\n\n"
+        "@decorated\ndef decorated(n):\n    return n\n\n"
+        "def only_a_docstring(n):\n    \"\"\"Nothing else.\"\"\"\n\n"
+        "def returns_nothing(n):\n    print(n)\n    return\n"
+    )
+    assert demo_training.whole_functions([source, "def broken(:\n"], shortest=10) == [
+        "def kept(n):\n    total = n + 1\n    return total\n",
+        "def nested_function(n, k):\n    if n:\n        return k\n    return n\n",
+    ]
 
 
 def test_target_from_refuses_another_shape_or_an_incomplete_folder(smoke_dir, tmp_path):
