@@ -132,6 +132,14 @@ class Sizes:
 # over the 30,720 continuations); its pretraining keeps 4,096 tokens a step (2 windows of 2,048).
 # bench/train_steps.py's figures on 2 idle cores (Intel Xeon with AMX): target ~4,600 tokens/s at
 # 2,048 (~3.7 h); the continuations, DFlash and the draft model ~3 h more. Resumable.
+# The anneal (300 steps of 2 x 2,048 tokens, half of them windows that begin at a function's `def`)
+# came from a probe on the third pair's target (AMD EPYC, 2 cores, 2026-12-03; 8 x 512-token windows a
+# step): before it, `def is_prime(n):` got a body indented 8 spaces, as a method's (most `def`s of the
+# corpus are methods'); after 100 steps at 5e-4 all three code prompts of scripts/eval_demo.py wrote a
+# 4-space body with an if and a return, and parsed. With one-line functions kept, greedy decoding
+# answered every `def` with one runaway nested call; with docstrings kept, with a docstring that
+# did not end within 64 tokens. Held-out perplexity over 512-token windows went 14.21 → 14.75 in 300
+# steps (all three prompts still parsing).
 # The drafters' data and steps are twice the third pair's (61,440 continuations, 32,000 DFlash
 # steps, 8,000 + 12,000 draft-model steps): held out, that pair's DFlash accepted 4.66 drafts per
 # teacher-forced block against 5.68 on its own continuations, a generalization gap that more of
@@ -145,6 +153,7 @@ FULL = Sizes(
     draft_hidden=192, draft_layers=2, draft_intermediate=448, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
     draft_pretrain_steps=8000, draft_distill_steps=12_000, draft_batch=2, draft_distill_batch=16,
     draft_lr=2e-3, corpus="stdlib+packages", stdlib_share=PACKAGES_STDLIB_SHARE, heldout_evals=10,
+    anneal_steps=300, anneal_batch=2, anneal_lr=5e-4, anneal_function_share=0.5,
 )
 SMOKE = Sizes(
     vocab_size=320, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16, context=128,
@@ -300,11 +309,13 @@ def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def whole_functions(texts: list[str], shortest: int = 60, longest: int = 1200) -> list[str]:
+def whole_functions(texts: list[str], shortest: int = 60, longest: int = 1200, widest: int = 79) -> list[str]:
     """The functions a prompt such as `def is_prime(n):` asks for, in file order: every undecorated
-    `def` of `texts` that is not a method (its first argument is not self or cls) and returns a value,
-    dedented to column 0 and without its docstring (a bare `def` line is then followed by code, not
-    by the corpus's long docstrings), `shortest`..`longest` characters."""
+    `def` of `texts` that is not a method (its first argument is not self or cls), returns a value
+    and has some control flow (an if, for, while or try among its statements; one-line bodies teach a
+    small model to answer any `def` with one runaway expression), dedented to column 0 and without its
+    docstring (a bare `def` line is then followed by code, not by the corpus's long docstrings):
+    `shortest`..`longest` characters, no line wider than `widest`."""
     import ast
     import textwrap
 
@@ -323,6 +334,8 @@ def whole_functions(texts: list[str], shortest: int = 60, longest: int = 1200) -
                 continue
             if not any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(node)):
                 continue
+            if not any(isinstance(n, (ast.If, ast.For, ast.While, ast.Try)) for n in node.body):
+                continue
             body = node.body
             docstring = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                          and isinstance(body[0].value.value, str))
@@ -331,7 +344,8 @@ def whole_functions(texts: list[str], shortest: int = 60, longest: int = 1200) -
             kept = lines[node.lineno - 1:body[0].lineno - 1] + lines[body[0].end_lineno:node.end_lineno] \
                 if docstring else lines[node.lineno - 1:node.end_lineno]
             source = textwrap.dedent("".join(kept))
-            if shortest <= len(source) <= longest and source.startswith("def "):
+            if (shortest <= len(source) <= longest and source.startswith("def ")
+                    and max(len(line) for line in source.splitlines()) <= widest):
                 found.append(source)
     return found
 

@@ -40,13 +40,17 @@ Output, in the real Hugging Face formats (safetensors stored in bfloat16, script
 
 `--target-from DIR` keeps the tokenizer and target of an earlier run's output (copied to
 `--out` byte for byte; `training.json` carries their record) and trains the drafters only:
-a new drafter recipe does not retrain a target that took an hour.
+a new drafter recipe does not retrain a target that took an hour. A target whose record has
+no anneal while the recipe asks for one is annealed first (the target's last stage), and
+`--out` carries the annealed target.
 
 Stages: tokenizer → target (bf16 autocast, fp32 weights, torch.compile'd unless
-`--no-compile`) → greedy continuations of the target as served (its weights rounded to
-bf16, computed in fp32) from 30,720 prompts cut out of the training text, with the
-target's hidden states taken from the decoding forwards → DFlash → draft_model. Step
-throughput of each stage: bench/train_steps.py.
+`--no-compile`) → the target's anneal (windows that begin at a whole function's `def`,
+docstrings dropped, mixed with corpus windows, at a low learning rate: what a prompt such
+as `def is_prime(n):` looks like) → greedy continuations of the target as served (its
+weights rounded to bf16, computed in fp32) from the recipe's prompts cut out of the
+training text, with the target's hidden states taken from the decoding forwards → DFlash →
+draft_model. Step throughput of each stage: bench/train_steps.py.
 """
 
 from __future__ import annotations
