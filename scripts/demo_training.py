@@ -438,7 +438,7 @@ def keep_temp_files_in(folder: Path) -> None:
     import tempfile
 
     folder.mkdir(parents=True, exist_ok=True)
-    tempfile.tempdir = str(folder)
+    tempfile.tempdir = str(folder.resolve())  # absolute: Inductor's compiler runs in folders of its own
 
 
 def lm_forward(model, options: StepOptions) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -240,7 +240,10 @@ def test_whole_functions_are_top_level_code_without_docstrings():
         "def kept(n):\n"
         '    """Its docstring,\n    two lines."""\n'
         "    total = n + 1\n"
+        "    if total > 2:\n        total -= 1\n"
         "    return total\n\n"
+        "def one_line(n):\n    return n + 1\n\n"
+        "def too_wide(n):\n    if n:\n        return '" + "x" * 80 + "'\n    return n\n\n"
         "class Box:\n"
         "    def method(self):\n        return 1\n\n"
         "    def nested_function(n, k):\n        if n:\n            return k\n        return n\n\n"
@@ -249,7 +252,7 @@ def test_whole_functions_are_top_level_code_without_docstrings():
         "def returns_nothing(n):\n    print(n)\n    return\n"
     )
     assert demo_training.whole_functions([source, "def broken(:\n"], shortest=10) == [
-        "def kept(n):\n    total = n + 1\n    return total\n",
+        "def kept(n):\n    total = n + 1\n    if total > 2:\n        total -= 1\n    return total\n",
         "def nested_function(n, k):\n    if n:\n        return k\n    return n\n",
     ]
 
@@ -531,3 +534,13 @@ def test_eval_demo_measures_through_a_real_stack(tmp_path):
     assert row.requests == 2 and row.completion_tokens == 2 * 9
     assert row.num_drafts > 0 and 0 < row.accepted <= row.drafted <= row.num_drafts * 4
     assert row.acceptance_length == pytest.approx((2 * 8) / max(1, 2 * 8 - row.accepted))
+
+
+def test_temp_files_kept_in_a_relative_work_folder_are_named_absolutely(tmp_path, monkeypatch):
+    """`--work .train/work`: Inductor compiles in folders of its own, where a relative temp dir names nothing."""
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+    demo_training.keep_temp_files_in(Path("work") / "tmp")
+    assert tempfile.tempdir == str(tmp_path / "work" / "tmp") and Path(tempfile.tempdir).is_dir()
