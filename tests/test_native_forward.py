@@ -263,11 +263,9 @@ def test_where_the_native_forward_cannot_run_it_says_why(model, tmp_path):
     assert "tile-packed" in native_forward_problem(decoder_stack(float32), torch.float32, BatchInvariantNativeBackend)
 
 
-def test_dflash_context_and_block_in_native_calls_compute_what_torch_does(spec_models):
-    """DFlash's `Propose` with held context rows: the rows' K/V (`NativeForward.context_kv`) and the
-    block through the draft layers, natively and eagerly on pools of their own: the same pages and
-    logits up to bfloat16 rounding."""
-    from draft_service.dflash_model import DFlashDraftModel, NewContext, TargetHeads
+def _native_dflash(spec_models):
+    """The spec pair's DFlash drafter, bfloat16, its block on the native forward."""
+    from draft_service.dflash_model import DFlashDraftModel, TargetHeads
     from draft_service.target_heads import load_target_heads
 
     heads = load_target_heads(str(spec_models.target), torch.bfloat16, "cpu")
@@ -276,6 +274,16 @@ def test_dflash_context_and_block_in_native_calls_compute_what_torch_does(spec_m
                                              torch.bfloat16, "cpu")
     pack_cpu_linears(model, log, whole_forward_on_tiles=True)
     assert model.use_native(heads.model.embed_tokens.weight) is None
+    return model
+
+
+def test_dflash_context_and_block_in_native_calls_compute_what_torch_does(spec_models):
+    """DFlash's `Propose` with held context rows: the rows' K/V (`NativeForward.context_kv`) and the
+    block through the draft layers, natively and eagerly on pools of their own: the same pages and
+    logits up to bfloat16 rounding."""
+    from draft_service.dflash_model import NewContext
+
+    model = _native_dflash(spec_models)
     layout = build_layout(order="HND", page_size=PAGE_SIZE, kv_dtype="bfloat16", num_pages=8,
                           layers=model.kv_layer_specs())
     features = torch.randn(20, model.feature_width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -304,15 +312,9 @@ def test_context_rows_inside_the_block_forward_are_context_kv_then_the_block_to_
     """The block's forward with DFlash's context rows (`context=`: one pass over each layer's weights)
     writes the pages and returns the rows that `context_kv` then the forward do, bit for bit; a
     crafted context slot is refused before anything is written."""
-    from draft_service.dflash_model import DFlashDraftModel, TargetHeads, block_metadata, block_positions
-    from draft_service.target_heads import load_target_heads
+    from draft_service.dflash_model import block_metadata, block_positions
 
-    heads = load_target_heads(str(spec_models.target), torch.bfloat16, "cpu")
-    pack_cpu_linears(heads, log)
-    model = DFlashDraftModel.from_pretrained(spec_models.dflash, TargetHeads(embed=heads.embed, lm_head=heads.lm_head),
-                                             torch.bfloat16, "cpu")
-    pack_cpu_linears(model, log, whole_forward_on_tiles=True)
-    assert model.use_native(heads.model.embed_tokens.weight) is None
+    model = _native_dflash(spec_models)
     native = model.native_block
     layout = build_layout(order="NHD", page_size=PAGE_SIZE, kv_dtype="bfloat16", num_pages=8,
                           layers=model.kv_layer_specs())
