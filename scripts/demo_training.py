@@ -80,7 +80,8 @@ class Sizes:
     # the target's anneal (0 steps: none): windows of whole top-level-style functions, each beginning
     # at a `def` as a user's prompt does, mixed with corpus windows, at a low learning rate
     anneal_steps: int = 0
-    anneal_batch: int = 2
+    anneal_batch: int = 8
+    anneal_length: int = 512  # tokens a window
     anneal_lr: float = 3e-4
     anneal_function_share: float = 0.5
     dflash_loss_gamma: float = 4.0  # block position k (1-based) weighs exp(-(k - 1) / gamma)
@@ -107,9 +108,9 @@ class Sizes:
         if max(self.gen_prompt_lens) >= self.gen_total_len or self.gen_total_len > self.context:
             raise ValueError("prompts must be shorter than gen_total_len, and gen_total_len fit the context")
         if self.anneal_steps < 0 or self.anneal_batch < 1 or self.anneal_lr <= 0 or not (
-                0.0 <= self.anneal_function_share <= 1.0):
-            raise ValueError("anneal_steps must be ≥ 0, anneal_batch ≥ 1, anneal_lr > 0 and anneal_function_share "
-                             "in [0, 1]")
+                0.0 <= self.anneal_function_share <= 1.0) or not 2 <= self.anneal_length <= self.context:
+            raise ValueError("anneal_steps must be ≥ 0, anneal_batch ≥ 1, anneal_lr > 0, anneal_function_share "
+                             "in [0, 1] and anneal_length in [2, context]")
         if self.threads < 1 or self.dflash_loss_gamma <= 0 or self.heldout_evals < 0:
             raise ValueError("threads must be ≥ 1, dflash_loss_gamma > 0 and heldout_evals ≥ 0")
         if self.dflash_layers < 1 or self.draft_layers < 1:
@@ -132,9 +133,11 @@ class Sizes:
 # over the 30,720 continuations); its pretraining keeps 4,096 tokens a step (2 windows of 2,048).
 # bench/train_steps.py's figures on 2 idle cores (Intel Xeon with AMX): target ~4,600 tokens/s at
 # 2,048 (~3.7 h); the continuations, DFlash and the draft model ~3 h more. Resumable.
-# The anneal (300 steps of 2 x 2,048 tokens, half of them windows that begin at a function's `def`)
+# The anneal (300 steps of 8 x 512 tokens, half of them windows that begin at a function's `def`)
 # came from a probe on the third pair's target (AMD EPYC, 2 cores, 2026-12-03; 8 x 512-token windows a
-# step): before it, `def is_prime(n):` got a body indented 8 spaces, as a method's (most `def`s of the
+# step, functions from 6,000 of the files). The same steps over 2 x 2,048-token windows (the same
+# tokens a step, every file's functions) left `def factorial(n):` with a runaway expression at 64
+# tokens (2 of the 3 prompts parsed; held-out perplexity 11.67 over 2,048-token windows). Before it, `def is_prime(n):` got a body indented 8 spaces, as a method's (most `def`s of the
 # corpus are methods'); after 100 steps at 5e-4 all three code prompts of scripts/eval_demo.py wrote a
 # 4-space body with an if and a return, and parsed. With one-line functions kept, greedy decoding
 # answered every `def` with one runaway nested call; with docstrings kept, with a docstring that
@@ -153,7 +156,7 @@ FULL = Sizes(
     draft_hidden=192, draft_layers=2, draft_intermediate=448, draft_heads=3, draft_kv_heads=1, draft_head_dim=64,
     draft_pretrain_steps=8000, draft_distill_steps=12_000, draft_batch=2, draft_distill_batch=16,
     draft_lr=2e-3, corpus="stdlib+packages", stdlib_share=PACKAGES_STDLIB_SHARE, heldout_evals=10,
-    anneal_steps=300, anneal_batch=2, anneal_lr=5e-4, anneal_function_share=0.5,
+    anneal_steps=300, anneal_batch=8, anneal_length=512, anneal_lr=5e-4, anneal_function_share=0.5,
 )
 SMOKE = Sizes(
     vocab_size=320, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16, context=128,
@@ -163,7 +166,7 @@ SMOKE = Sizes(
     block_size=9, dflash_steps=20, dflash_batch=4, dflash_anchors=4, dflash_lr=3e-3,
     draft_hidden=32, draft_layers=1, draft_intermediate=64, draft_heads=2, draft_kv_heads=1, draft_head_dim=16,
     draft_pretrain_steps=10, draft_distill_steps=10, draft_batch=4, draft_distill_batch=4, draft_lr=3e-3,
-    anneal_steps=8, max_files=40,
+    anneal_steps=8, anneal_batch=4, anneal_length=64, max_files=40,
 )
 SEED = 1234
 

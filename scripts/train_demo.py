@@ -291,7 +291,7 @@ class Functions:
     followed by a blank line, and where each begins."""
 
     stream: torch.Tensor  # [n] int64
-    starts: torch.Tensor  # [count] int64, each < n - context
+    starts: torch.Tensor  # [count] int64, each < n - anneal_length
     count: int
 
     def windows(self, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -311,9 +311,10 @@ def functions_stage(ctx: Context, sources: list[Source], tokenizer) -> Functions
                  "count": len(functions)}
         atomic_save(saved, path)
     stream = saved["stream"].long()
-    starts = saved["starts"][saved["starts"] < stream.numel() - ctx.sizes.context]
+    starts = saved["starts"][saved["starts"] < stream.numel() - ctx.sizes.anneal_length]
     if starts.numel() == 0:
-        raise RuntimeError(f"the corpus holds too few functions for one anneal window of {ctx.sizes.context} tokens")
+        raise RuntimeError(f"the corpus holds too few functions for one anneal window of {ctx.sizes.anneal_length} "
+                           "tokens")
     log(f"anneal: {saved['count']} functions, {stream.numel()} tokens")
     return Functions(stream, starts, saved["count"])
 
@@ -327,8 +328,8 @@ def anneal_stage(ctx: Context, target, functions: Functions, streams: Streams, t
     functions_per_batch = round(sizes.anneal_batch * sizes.anneal_function_share)
 
     def batches(step):
-        ids = torch.cat([functions.windows(functions_per_batch, sizes.context, generator),
-                         streams.windows(sizes.anneal_batch - functions_per_batch, sizes.context, generator)])
+        ids = torch.cat([functions.windows(functions_per_batch, sizes.anneal_length, generator),
+                         streams.windows(sizes.anneal_batch - functions_per_batch, sizes.anneal_length, generator)])
         return ids, ids
 
     documents = heldout_documents(tokenizer)
