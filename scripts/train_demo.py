@@ -567,8 +567,13 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
                      "continuations": continuations["seconds"], "dflash": dflash_run.seconds,
                      "draft_model": pretrain_run.seconds + distill_run.seconds}
     loops = {"dflash": dflash_run, "draft_pretrain": pretrain_run, "draft_distill": distill_run}
+    anneal_record = None if pretrained is None else pretrained.history.get("anneal")  # an earlier run's
     if anneal_run is not None:
         loops = {"anneal": anneal_run} | loops
+        anneal_record = {"steps": sizes.anneal_steps, "final_loss": anneal_run.tail_mean("loss"),
+                         "heldout_perplexity": anneal_run.evaluations, "functions": functions.count,
+                         "function_tokens": int(functions.stream.numel()), "seconds": round(anneal_run.seconds, 1),
+                         "on_target_from": pretrained is not None}
     history = {
         "sizes": asdict(sizes), "held_out": list(HELD_OUT), "python": sys.version.split()[0],
         "torch": torch.__version__, "seed": SEED, "compiled": compile_steps,
@@ -584,13 +589,7 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
         **{k: v for k, v in target_record.items() if k != "target_loss_curve"},
         "continuations": int(data.ids.shape[0]),
         "continuation_tokens": int((data.valid_lens - data.prompt_lens).sum()),
-        "anneal": pretrained.history.get("anneal") if anneal_run is None and pretrained is not None else None
-        if anneal_run is None else {
-            "steps": sizes.anneal_steps, "final_loss": anneal_run.tail_mean("loss"),
-            "heldout_perplexity": anneal_run.evaluations, "functions": functions.count,
-            "function_tokens": int(functions.stream.numel()), "seconds": round(anneal_run.seconds, 1),
-            "on_target_from": pretrained is not None,
-        },
+        "anneal": anneal_record,
         "dflash_final_loss": dflash_run.tail_mean("loss"),
         "dflash_train_accepted_per_block": dflash_run.tail_mean("accepted"),
         "draft_pretrain_final_loss": pretrain_run.tail_mean("loss"),

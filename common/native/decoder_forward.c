@@ -224,6 +224,31 @@ static void queries_and_kv(const Decoder *d, const DecoderLayer *layer, const fl
     });
 }
 
+// DFlash's context rows, K/V computed inside the block's forward (NULL: none) or alone
+// (splitspec_context_kv): features [rows, width] bfloat16 (the target's hidden states side by side) →
+// rms_norm(features · fcᵀ) · hidden_norm, whose K and V every layer writes at slots[t] (row t at
+// positions[t]) before the block attends. The block's qkv product takes these rows too: one pass over
+// each layer's weights instead of two calls' two.
+typedef struct {
+    const uint16_t *features;
+    int64_t width;
+    const uint16_t *fc;  // tile-packed [hidden, width]
+    const float *hidden_norm;
+    int64_t rows;
+    const int64_t *positions, *slots;
+} ContextRows;
+
+// rms_norm(features · fcᵀ) · hidden_norm of the context rows into `normed` [rows, hidden] bfloat16,
+// through `projected` [rows, hidden] float32; FWD_OK or a product's status.
+static int project_context(const Decoder *d, const ContextRows *context, float *projected, uint16_t *normed,
+                           int threads) {
+    int status = FWD_OK;
+    PRODUCT(context->features, context->rows, context->width, context->fc, d->hidden, projected, 1, threads);
+    if (status == FWD_OK)
+        norm_rows_to_bf16(projected, context->hidden_norm, normed, context->rows, d->hidden, d->eps, threads);
+    return status;
+}
+
 // Context rows' K (normed, rotated) and V stored at their slots from the qkv product rows
 // [T, (Hq + 2 Hkv) D]; their q part is dropped.
 static void context_kv_rows(const Decoder *d, const DecoderLayer *layer, const float *qkv, const float *rope,
@@ -236,19 +261,6 @@ static void context_kv_rows(const Decoder *d, const DecoderLayer *layer, const f
                          d->q_heads + item % d->kv_heads);
     });
 }
-
-// DFlash's context rows, K/V computed inside the block's forward (NULL: none): features [rows, width]
-// bfloat16 (the target's hidden states side by side) → rms_norm(features · fcᵀ) · hidden_norm, whose
-// K and V every layer writes at slots[t] (row t at positions[t]) before the block attends. The block's
-// qkv product takes these rows too: one pass over each layer's weights instead of two calls' two.
-typedef struct {
-    const uint16_t *features;
-    int64_t width;
-    const uint16_t *fc;  // tile-packed [hidden, width]
-    const float *hidden_norm;
-    int64_t rows;
-    const int64_t *positions, *slots;
-} ContextRows;
 
 
 static void norm_rows(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps) {
@@ -319,11 +331,8 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
         (ctx > 0 && !context_normed))
         status = FWD_NO_MEMORY;
     uint16_t *block_in = product_in + ctx * hidden;  // the block rows' normed input to each qkv product
-    if (status == FWD_OK && ctx > 0) {  // after a failed allocation nothing is written
-        PRODUCT(context->features, ctx, context->width, context->fc, hidden, product_out, 1, threads);
-        if (status == FWD_OK)
-            norm_rows_to_bf16(product_out, context->hidden_norm, context_normed, ctx, hidden, d->eps, threads);
-    }
+    if (status == FWD_OK && ctx > 0)  // after a failed allocation nothing is written
+        status = project_context(d, context, product_out, context_normed, threads);
     if (status == FWD_OK && d->layers > 0)
         norm_rows_to_bf16(x, layers[0].input_norm, block_in, rows, hidden, d->eps, threads);
     for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
@@ -376,7 +385,7 @@ int splitspec_decoder_forward(const Decoder *d, const DecoderLayer *layers, floa
 // DFlash's context rows: features [T, F] bfloat16 (the target's hidden states, side by side) →
 // rms_norm(features · fcᵀ) · hidden_norm, then every layer's K (k norm, RoPE) and V from that,
 // written at slots[t]. (The q part of each stacked product is computed and dropped: on AMX tiles
-// it costs next to nothing.)
+// it costs next to nothing; its norm and rotation are skipped.)
 int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uint16_t *features, int64_t width,
                          const uint16_t *fc, const float *hidden_norm, int64_t rows, const float *rope,
                          int64_t rope_positions, const int64_t *positions, const int64_t *slots, int threads) {
@@ -386,23 +395,20 @@ int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uin
     const int rows_status = checked_rows(d, slots, positions, rows, rope_positions);
     if (rows_status != FWD_OK) return rows_status;
     threads = threads > 0 ? threads : 1;
-    const int64_t hidden = d->hidden, q_width = d->q_heads * d->head_dim;
-    const int64_t qkv_width = (d->q_heads + 2 * d->kv_heads) * d->head_dim;
+    const ContextRows context = {features, width, fc, hidden_norm, rows, positions, slots};
+    const int64_t hidden = d->hidden, qkv_width = (d->q_heads + 2 * d->kv_heads) * d->head_dim;
     float *projected = malloc(sizeof(float) * (size_t)(rows * hidden));
-    uint16_t *context = malloc(sizeof(uint16_t) * (size_t)(rows * hidden));
+    uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * hidden));
     float *product_out = malloc(sizeof(float) * (size_t)(rows * qkv_width));
-    float *queries = malloc(sizeof(float) * (size_t)(rows * q_width));
     int status = FWD_OK;
-    if (!projected || !context || !product_out || !queries) status = FWD_NO_MEMORY;
-    if (status == FWD_OK) PRODUCT(features, rows, width, fc, hidden, projected, 1, threads);
-    if (status == FWD_OK) norm_rows_to_bf16(projected, hidden_norm, context, rows, hidden, d->eps, threads);
+    if (!projected || !normed || !product_out) status = FWD_NO_MEMORY;
+    if (status == FWD_OK) status = project_context(d, &context, projected, normed, threads);
     for (int64_t i = 0; i < d->layers && status == FWD_OK; i++) {
-        PRODUCT(context, rows, hidden, layers[i].qkv, qkv_width, product_out, 1, threads);
-        if (status == FWD_OK) queries_and_kv(d, layers + i, product_out, queries, rope, positions, slots, rows, threads);
+        PRODUCT(normed, rows, hidden, layers[i].qkv, qkv_width, product_out, 1, threads);
+        if (status == FWD_OK) context_kv_rows(d, layers + i, product_out, rope, positions, slots, rows, threads);
     }
     free(projected);
-    free(context);
+    free(normed);
     free(product_out);
-    free(queries);
     return status;
 }
