@@ -20,6 +20,7 @@ import torch
 
 from common.drafter_facts import DrafterFacts
 from common.kv_layout import KVLayout, LayerSpec, LayoutNotResolvedError, canonical_kv_dtype, resolve_order
+from common.memory import freeze_startup_heap
 from common.pool_exports import MappedExports
 from common.pool_transport import (
     Canary,
@@ -221,11 +222,12 @@ class DrafterHost:
             pool = self._map_pool_for_channel(drafter, args)
         drafter.bind(pool if drafter.needs_pool else None, layout)
         self.metrics.warmup_seconds.observe(drafter.warmup())  # kernels compiled now, not in a Propose
+        frozen = freeze_startup_heap()  # after the last epoch's mappings went (unbind above)
         self.max_model_len = self.negotiated.target.max_model_len
         mapped = layout.total_bytes if pool is not None else 0
-        log.info("attached to target %s epoch %d: %s pages of %d tokens, %s %s, %.1f MiB mapped",
-                 layout.target_id, layout.epoch, layout.num_pages, layout.page_size, layout.kv_dtype, layout.order,
-                 mapped / MiB)
+        log.info("attached to target %s epoch %d: %s pages of %d tokens, %s %s, %.1f MiB mapped; %d objects "
+                 "frozen", layout.target_id, layout.epoch, layout.num_pages, layout.page_size, layout.kv_dtype,
+                 layout.order, mapped / MiB, frozen)
         self.metrics.attaches.labels(result="ok").inc()
         self.metrics.set_state("attached")
         self.metrics.mapped_bytes.set(mapped)

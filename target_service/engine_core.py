@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from common.kv_layout import KVLayout
+from common.memory import freeze_startup_heap
 from target_service.api_types import (
     EngineRequest,
     FinishReason,
@@ -376,7 +377,8 @@ class EngineCore:
 
     def warmup(self) -> None:
         """One prefill and a few decodes through every code path, then free everything; every bucket
-        of the compiled forward (when on) is compiled first."""
+        of the compiled forward (when on) is compiled first. Last, the heap is frozen
+        (`common.memory.freeze_startup_heap`): the process is ready to serve."""
         forward = self.runner.forward
         forward.prepare(forward.buckets())
         if forward.stats.seconds:
@@ -393,6 +395,7 @@ class EngineCore:
             self.metrics = served
             self.speculator.forget_measurements()
             self.page_manager.reset_prefix_cache()  # warmup's prompt is nobody's prefix
+        log.info("startup heap frozen: %d objects out of the collector's full passes", freeze_startup_heap())
 
     def close(self) -> None:
         self.runner.forward.close()
