@@ -44,7 +44,7 @@ PRODUCT_OFFSET = 20  # decoder_forward.c: a product's status, offset
 BAD_POSITION = 12  # decoder_forward.c: a position past the rotary table (grown, then the call is made again)
 STATUS = {**ATTENTION_STATUS, 11: "a slot outside the pool", BAD_POSITION: "a position outside the rotary table",
           13: "out of memory", 15: "no native bfloat16 products in this build",
-          16: "a shape the forward does not support",
+          16: "a shape the forward does not support", 17: "a token id outside the vocabulary",
           **{PRODUCT_OFFSET + code: f"bfloat16 product: {text}" for code, text in PRODUCT_STATUS.items()}}
 
 _P, _I64, _INT, _F, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int32
@@ -68,8 +68,14 @@ class ContextArgs(ctypes.Structure):  # decoder_forward.c's ContextRows
                 ("positions", _P), ("slots", _P)]
 
 
+class DraftBlockArgs(ctypes.Structure):  # decoder_forward.c's DraftBlock
+    _fields_ = [("embed", _P), ("embed_scale", _F), ("vocab", _I64), ("head", _P), ("mask_id", _I64),
+                ("causal", _I32)]
+
+
 _FORWARD_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _INT, _P]
 _CONTEXT_ARGS = [_P, _P, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _INT]
+_PROPOSE_ARGS = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _INT, _P, _P]
 ROPE_POSITIONS_MIN = 1024  # the rotary table's first size; it doubles past the largest position asked
 
 
@@ -77,6 +83,7 @@ ROPE_POSITIONS_MIN = 1024  # the rotary table's first size; it doubles past the 
 class _Entries:
     forward: ctypes._CFuncPtr
     context_kv: ctypes._CFuncPtr
+    propose: ctypes._CFuncPtr
     to_bf16: ctypes._CFuncPtr  # the forward's float32 → bfloat16 rounding (`rounded_to_bf16`)
 
 
@@ -88,8 +95,10 @@ def _load_forward() -> _Entries:
     lib = load_library("decoder_forward")
     lib.splitspec_decoder_forward.argtypes, lib.splitspec_decoder_forward.restype = _FORWARD_ARGS, _INT
     lib.splitspec_context_kv.argtypes, lib.splitspec_context_kv.restype = _CONTEXT_ARGS, _INT
+    lib.splitspec_dflash_propose.argtypes, lib.splitspec_dflash_propose.restype = _PROPOSE_ARGS, _INT
     lib.splitspec_floats_to_bf16.argtypes, lib.splitspec_floats_to_bf16.restype = [_P, _P, _I64], None
-    return _Entries(lib.splitspec_decoder_forward, lib.splitspec_context_kv, lib.splitspec_floats_to_bf16)
+    return _Entries(lib.splitspec_decoder_forward, lib.splitspec_context_kv, lib.splitspec_dflash_propose,
+                    lib.splitspec_floats_to_bf16)
 
 
 def rounded_to_bf16(values: torch.Tensor) -> torch.Tensor:  # float32 [N] → bfloat16 [N]
@@ -194,6 +203,48 @@ class NativeForward:
         status = self._with_rope_for(call, context.kept[1])
         if status != 0:
             raise ValueError(f"native context K/V: {STATUS.get(status, f'status {status}')}")
+
+    def draft_block(self, head: TiledLinear, mask_id: int, causal: bool) -> DraftBlockArgs | None:
+        """What `propose` needs besides the layers (DFlash's block), or None where it cannot run: the
+        stack's embedding in bfloat16, and a head on the layers' product kernel over that vocabulary."""
+        embed = self.stack.embed
+        if (embed.dtype != torch.bfloat16 or not embed.is_contiguous() or head.bias is not None
+                or head.kernel != self._decoder.product_kernel or head.in_features != self._decoder.hidden
+                or head.out_features != embed.shape[0] or not 0 <= mask_id < embed.shape[0]):
+            return None
+        block = DraftBlockArgs(embed.data_ptr(), self.stack.embed_scale, embed.shape[0], head._packed_address, mask_id,
+                               int(causal))
+        block.kept = (embed, head._packed)
+        return block
+
+    def propose(self, block: DraftBlockArgs, last_ids: Sequence[int], context_lens: Sequence[int],
+                page_tables: Sequence[Sequence[int]], num_tokens: int, num_drafts: int,
+                kv_caches: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], backend: NativeCpuAttentionBackend,
+                context: ContextArgs | None = None) -> list[list[int]]:
+        """DFlash's greedy drafts in one call: each sequence's block [last id, mask x num_tokens] at
+        positions p .. p + num_tokens (p its context length) through the layers (`context`'s K/V
+        written first), the head over the block's rows 1 .. num_drafts, and their argmax: what the
+        planned forward, the head and `argmax_last` give, bit for bit (tests/test_native_forward.py)."""
+        self._point_at_pool(kv_caches, backend)
+        for entry in self._layers:
+            entry.capture = None
+        count = len(last_ids)
+        sequences = torch.tensor([list(last_ids), list(context_lens)], dtype=torch.int64)  # [2, B]
+        width = max(len(table) for table in page_tables)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in page_tables], dtype=torch.int32)  # [B, P]
+        drafts = torch.empty(count, num_drafts, dtype=torch.int64)  # [B, n]
+
+        def call() -> int:
+            return self._entries.propose(ctypes.byref(self._decoder), self._layers, ctypes.byref(block),
+                                         sequences[0].data_ptr(), sequences[1].data_ptr(), count, num_tokens,
+                                         num_drafts, tables.data_ptr(), width, self._rope.data_ptr(),
+                                         self._rope.shape[0], torch.get_num_threads(),
+                                         None if context is None or context.rows == 0 else ctypes.byref(context),
+                                         drafts.data_ptr())
+        status = self._with_rope_for(call, sequences[1] + num_tokens, *(() if context is None else (context.kept[1],)))
+        if status != 0:
+            raise ValueError(f"native DFlash propose: {STATUS.get(status, f'status {status}')}")
+        return drafts.tolist()
 
     def context_rows(self, features: torch.Tensor, fc: TiledLinear, hidden_norm: torch.Tensor,
                      positions: torch.Tensor, slot_mapping: torch.Tensor) -> ContextArgs:

@@ -284,6 +284,7 @@ class DFlashDraftModel(FeatureHead):
         self.rotary = RotaryEmbedding(config, self.args.head_dim)
         self.compiled_block: CompiledForward | None = None  # set by use_compiled
         self.native_block = None  # common.native_forward.NativeForward, set by use_native
+        self.native_draft_block = None  # its DraftBlockArgs where a whole Propose runs natively (use_native)
         self.compiled_context: CompiledRows | None = None
 
     # -- loading ------------------------------------------------------------------------
@@ -367,7 +368,20 @@ class DFlashDraftModel(FeatureHead):
             problem = "its fc does not run tile-packed"
         if problem is None:
             self.native_block = NativeForward(stack)
+            self.native_draft_block = self._native_draft_block()
         return problem
+
+    def _native_draft_block(self):
+        """The block's arguments for a whole `Propose` in one native call (`propose_greedy`), or None
+        where the head's logits are reshaped first (a multiplier or softcap can tie two logits that
+        differ, which would change the argmax's choice), or the head does not run tile-packed."""
+        from common.native_linear import TiledLinear
+
+        head = self.target.lm_head
+        if (self.dflash.output_multiplier != 1.0 or self.dflash.final_logit_softcapping is not None
+                or not isinstance(head, TiledLinear)):
+            return None
+        return self.native_block.draft_block(head, self.dflash.mask_token_id, self.dflash.causal)
 
     def decoder_stack(self, embed: torch.Tensor) -> DecoderStack:
         return DecoderStack(self.args, embed, self.rotary, self.layers, self.norm.weight, self.forward_block,
@@ -470,7 +484,7 @@ class DFlashDraftModel(FeatureHead):
         kept = k_draft if num_drafts is None else num_drafts
         if not 1 <= kept <= k_draft:
             raise ValueError(f"propose: {kept} drafts from a block of {k_draft} masks")
-        self._check_propose_args(last_token_ids, context_lens, page_tables, k_draft)
+        self._check_propose_args(tuple(last_token_ids.shape), context_lens, page_tables, k_draft)
         layout: KVLayout = backend.layout
         device = last_token_ids.device
         meta = block_metadata(context_lens, page_tables, k_draft, layout.page_size, device, self.dflash.causal)
@@ -496,6 +510,38 @@ class DFlashDraftModel(FeatureHead):
         logits = self.compute_logits(drafts.reshape(-1, drafts.shape[-1]))  # [B * n, V]
         logits = logits.view(len(context_lens), kept, -1)  # [B, n, V]
         return DraftProposal(token_ids=argmax_last(logits), logits=logits)
+
+    @torch.inference_mode()
+    def propose_greedy(
+        self,
+        last_token_ids: Sequence[int],  # [B] each sequence's newest token, at position p
+        context_lens: Sequence[int],  # [B] p
+        page_tables: Sequence[Sequence[int]],  # [B] page ids covering p + K + 1 slots
+        kv_caches: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
+        backend: AttentionBackend,
+        num_tokens: int,  # K
+        new_context: NewContext | None = None,
+        num_drafts: int | None = None,
+    ) -> list[list[int]]:
+        """`propose`'s draft tokens [B][n], without its logits: block, layers, head and argmax in one
+        native call where they can run so (the same tokens, bit for bit), else through `propose`."""
+        native, block = self.native_block, self.native_draft_block
+        kept = num_tokens if num_drafts is None else num_drafts
+        if block is None or not native.writes(backend, kv_caches):
+            return self.propose(torch.tensor(list(last_token_ids), dtype=torch.long, device=self.fc.weight.device),
+                                context_lens, page_tables, kv_caches, backend, num_tokens=num_tokens,
+                                new_context=new_context, num_drafts=num_drafts).token_ids.tolist()
+        if not 1 <= kept <= num_tokens:
+            raise ValueError(f"propose: {kept} drafts from a block of {num_tokens} masks")
+        self._check_propose_args((len(last_token_ids),), context_lens, page_tables, num_tokens)
+        page_size = backend.layout.page_size
+        for p, table in zip(context_lens, page_tables):
+            if len(table) * page_size < p + num_tokens + 1:
+                raise ValueError(f"page table of {len(table)} pages cannot hold {p + num_tokens + 1} tokens")
+        context = None if new_context is None else native.context_rows(
+            new_context.features, self.fc, self.hidden_norm.weight, new_context.positions, new_context.slot_mapping)
+        return native.propose(block, last_token_ids, context_lens, page_tables, num_tokens, kept, kv_caches, backend,
+                              context=context)
 
     def _forward_block_with_context(self, ids: torch.Tensor, positions: torch.Tensor, new_context: NewContext,
                                     kv_caches, backend: AttentionBackend) -> torch.Tensor:  # [T, hidden], normed
@@ -547,7 +593,7 @@ class DFlashDraftModel(FeatureHead):
 
     def _check_propose_args(
         self,
-        last_token_ids: torch.Tensor,
+        last_tokens_shape: tuple[int, ...],
         context_lens: Sequence[int],
         page_tables: Sequence[Sequence[int]],
         k_draft: int,
@@ -556,9 +602,9 @@ class DFlashDraftModel(FeatureHead):
             raise ValueError(
                 f"propose: num_tokens must be in 1..{self.num_speculative_tokens}, got {k_draft}"
             )
-        if last_token_ids.shape != (len(context_lens),) or len(page_tables) != len(context_lens):
+        if last_tokens_shape != (len(context_lens),) or len(page_tables) != len(context_lens):
             raise ValueError(
-                f"propose: {tuple(last_token_ids.shape)} last tokens, {len(context_lens)} context lengths "
+                f"propose: {last_tokens_shape} last tokens, {len(context_lens)} context lengths "
                 f"and {len(page_tables)} page tables must agree"
             )
         if any(p < 1 for p in context_lens):

@@ -388,3 +388,49 @@ def test_the_forwards_bfloat16_rounding_is_torchs_to_the_bit():
     nan = values.isnan()  # a NaN stays a NaN (its payload is torch's business: its paths differ)
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_whole_propose_in_one_native_call_drafts_what_the_forward_head_and_argmax_do(spec_models, causal):
+    """`propose_greedy`'s one native call (block, layers with the held context rows, head, argmax) gives
+    the drafts and pages of `propose`'s planned native forward, bfloat16 head and `argmax_last`, bit for
+    bit, for two sequences of different lengths; crafted page ids and token ids are refused before
+    anything is written."""
+    import dataclasses
+
+    from draft_service.dflash_model import NewContext
+
+    model = _native_dflash(spec_models)
+    model.dflash = dataclasses.replace(model.dflash, causal=causal)
+    model.native_draft_block = model._native_draft_block()
+    assert model.native_draft_block is not None
+    layout = build_layout(order="NHD", page_size=PAGE_SIZE, kv_dtype="bfloat16", num_pages=8,
+                          layers=model.kv_layer_specs())
+    features = torch.randn(6, model.feature_width, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    positions = torch.tensor([16, 17, 18, 19, 5, 6])  # sequence 0's new rows, then sequence 1's
+    slots = torch.tensor([2 * PAGE_SIZE + i for i in range(4)] + [3 * PAGE_SIZE + 5, 3 * PAGE_SIZE + 6])
+    tables = [[1, 2], [3]]
+
+    def run(one_call: bool, ids=(5, 11), tables=tables, caches=None) -> tuple[list[list[int]], list[torch.Tensor]]:
+        if caches is None:
+            caches = [torch.zeros(layout.region_shape(spec), dtype=layout.torch_dtype) for spec in layout.layers]
+        backend = NativeCpuAttentionBackend(layout)
+        context = NewContext(features, positions, slots)
+        if one_call:
+            drafts = model.propose_greedy(list(ids), [20, 7], tables, caches, backend, num_tokens=4,
+                                          new_context=context, num_drafts=3)
+        else:
+            drafts = model.propose(torch.tensor(ids), [20, 7], tables, caches, backend, num_tokens=4,
+                                   new_context=context, num_drafts=3).token_ids.tolist()
+        return drafts, caches
+
+    (planned, planned_pages), (one_call, one_call_pages) = run(False), run(True)
+    assert one_call == planned and len(one_call) == 2 and all(len(d) == 3 for d in one_call)
+    assert all(torch.equal(a, b) for a, b in zip(planned_pages, one_call_pages, strict=True))
+    assert any(bool(page.float().abs().sum() > 0) for page in one_call_pages)
+    for crafted, error in (({"tables": [[1, 2], [9]]}, "outside the pool"),
+                           ({"ids": (5, model.native_draft_block.vocab)}, "a token id outside the vocabulary")):
+        untouched = [torch.zeros(layout.region_shape(spec), dtype=layout.torch_dtype) for spec in layout.layers]
+        with pytest.raises(ValueError, match=error):
+            run(True, caches=untouched, **crafted)
+        assert all(not page.float().abs().sum() for page in untouched)

@@ -14,7 +14,7 @@
 #include <math.h>
 
 // statuses: the attention's own (1-4), these, and a product's offset by PRODUCT_STATUS
-enum { FWD_OK = 0, FWD_BAD_SLOT = 11, FWD_BAD_POSITION = 12, FWD_NO_MEMORY = 13, FWD_NO_PRODUCTS = 15, FWD_BAD_SHAPE = 16,
+enum { FWD_OK = 0, FWD_BAD_SLOT = 11, FWD_BAD_POSITION = 12, FWD_NO_MEMORY = 13, FWD_NO_PRODUCTS = 15, FWD_BAD_SHAPE = 16, FWD_BAD_TOKEN = 17,
        PRODUCT_STATUS = 20 };
 
 #define PRODUCT(...)                              \
@@ -410,5 +410,98 @@ int splitspec_context_kv(const Decoder *d, const DecoderLayer *layers, const uin
     free(projected);
     free(normed);
     free(product_out);
+    return status;
+}
+
+// What DFlash's block needs besides its layers: the target's embedding and head, and the mask.
+typedef struct {
+    const uint16_t *embed;  // [vocab, hidden] bfloat16: the target's input embedding
+    float embed_scale;      // the block's embedded rows are multiplied by this (1: left as they are)
+    int64_t vocab;
+    const uint16_t *head;  // tile-packed [vocab, hidden]: the target's lm_head
+    int64_t mask_id;
+    int32_t causal;  // block row i sees the keys up to its own (1), or the whole block (0: DFlash's)
+} DraftBlock;
+
+// The first index of the largest of n bfloat16 values, a NaN counting as largest (torch.argmax's
+// and NumPy's choice, which the Python path takes over the same bfloat16 logits).
+static int64_t argmax_bf16(const uint16_t *values, int64_t n) {
+    int64_t best = 0;
+    float largest = bf16_to_float(values[0]);
+    if (isnan(largest)) return 0;
+    for (int64_t i = 1; i < n; i++) {
+        const float v = bf16_to_float(values[i]);
+        if (isnan(v)) return i;
+        if (v > largest) largest = v, best = i;
+    }
+    return best;
+}
+
+// DFlash's Propose in one call. Sequence b's block [last_ids[b], mask × k] sits at positions p .. p + k
+// (p = context_lens[b]), its K/V written at those positions' slots in page_table[b, :table_len], each
+// row seeing the context and the whole block (or, causal, the block up to itself); the context rows
+// (NULL: none) have their K/V written first, as in splitspec_decoder_forward. After the layers and the
+// final norm, the head runs over block rows 1 .. drafts (rounded to bfloat16, as torch's cast would),
+// into bfloat16 logits; drafts_out[b, i] = their argmax. Everything is checked before anything is written.
+int splitspec_dflash_propose(const Decoder *d, const DecoderLayer *layers, const DraftBlock *block,
+                             const int64_t *last_ids, const int64_t *context_lens, int64_t num_seqs, int64_t k,
+                             int64_t drafts, const int32_t *page_table, int64_t table_len, const float *rope,
+                             int64_t rope_positions, int threads, const ContextRows *context, int64_t *drafts_out) {
+    if (num_seqs < 1 || k < 1 || drafts < 1 || drafts > k || table_len < 1 || block->vocab < 1 ||
+        block->mask_id < 0 || block->mask_id >= block->vocab || d->page_size < 1)
+        return FWD_BAD_SHAPE;
+    const int64_t width = k + 1, rows = num_seqs * width, hidden = d->hidden;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (last_ids[b] < 0 || last_ids[b] >= block->vocab) return FWD_BAD_TOKEN;
+        if (context_lens[b] < 1 || context_lens[b] > table_len * d->page_size - width ||
+            context_lens[b] > INT32_MAX - width)
+            return FWD_BAD_SLOT;
+    }
+    int64_t *positions = malloc(sizeof(int64_t) * (size_t)rows);
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)rows);
+    int32_t *row_start = malloc(sizeof(int32_t) * (size_t)(num_seqs + 1));
+    int32_t *row_keys = malloc(sizeof(int32_t) * (size_t)rows);
+    float *x = malloc(sizeof(float) * (size_t)(rows * hidden));
+    float *out = malloc(sizeof(float) * (size_t)(rows * hidden));
+    uint16_t *head_in = malloc(sizeof(uint16_t) * (size_t)(num_seqs * drafts * hidden));
+    uint16_t *logits = malloc(sizeof(uint16_t) * (size_t)(num_seqs * drafts * block->vocab));
+    int status = FWD_OK;
+    if (!positions || !slots || !row_start || !row_keys || !x || !out || !head_in || !logits) status = FWD_NO_MEMORY;
+    for (int64_t b = 0; b < num_seqs && status == FWD_OK; b++) {
+        const int64_t p = context_lens[b];
+        row_start[b] = (int32_t)(b * width);
+        for (int64_t i = 0; i < width; i++) {
+            const int64_t t = b * width + i, position = p + i;
+            const int32_t page = page_table[b * table_len + position / d->page_size];
+            positions[t] = position;
+            slots[t] = (int64_t)page * d->page_size + position % d->page_size;  // pages checked by the forward
+            row_keys[t] = (int32_t)(block->causal ? position + 1 : p + width);
+            const uint16_t *embedded = block->embed + (i == 0 ? last_ids[b] : block->mask_id) * hidden;
+            float *row = x + t * hidden;
+            for (int64_t j = 0; j < hidden; j++) row[j] = bf16_to_float(embedded[j]);
+            if (block->embed_scale != 1.0f)
+                for (int64_t j = 0; j < hidden; j++) row[j] *= block->embed_scale;
+        }
+    }
+    if (status == FWD_OK) {
+        row_start[num_seqs] = (int32_t)rows;
+        status = splitspec_decoder_forward(d, layers, x, out, rows, rope, rope_positions, positions, page_table,
+                                           table_len, num_seqs, row_start, row_keys, slots, threads, context);
+    }
+    if (status == FWD_OK) {
+        for (int64_t b = 0; b < num_seqs; b++)  // block rows 1 .. drafts: the masks' predictions
+            floats_to_bf16(out + (b * width + 1) * hidden, head_in + b * drafts * hidden, drafts * hidden);
+        PRODUCT(head_in, num_seqs * drafts, hidden, block->head, block->vocab, logits, 0, threads);
+    }
+    if (status == FWD_OK)
+        for (int64_t r = 0; r < num_seqs * drafts; r++) drafts_out[r] = argmax_bf16(logits + r * block->vocab, block->vocab);
+    free(positions);
+    free(slots);
+    free(row_start);
+    free(row_keys);
+    free(x);
+    free(out);
+    free(head_in);
+    free(logits);
     return status;
 }

@@ -108,8 +108,8 @@ class DFlashDrafter(FeatureDrafter):
         for block, group in itertools.groupby(by_block, key=lambda item: item[2]):  # one forward per block size
             group = list(group)
             seqs = [seq for seq, _, _ in group]
-            proposal = self.model.propose(
-                torch.tensor([seq.last_token_id for seq in seqs], dtype=torch.long, device=self.device),
+            proposal = self.model.propose_greedy(
+                [seq.last_token_id for seq in seqs],
                 [seq.context_len for seq in seqs],
                 [seq.page_table for seq in seqs],
                 self._kv_caches,
@@ -118,7 +118,7 @@ class DFlashDrafter(FeatureDrafter):
                 new_context=self._take_held_rows(seqs),
                 num_drafts=max(k for _, k, _ in group),  # the head's rows: only the drafts asked
             )
-            for (seq, k, _), tokens in zip(group, proposal.token_ids.tolist()):
+            for (seq, k, _), tokens in zip(group, proposal):
                 drafts[seq.seq_id] = tokens[:k]
         return drafts
 
@@ -166,8 +166,8 @@ class DFlashDrafter(FeatureDrafter):
         features = torch.zeros(ctx, self.feature_width, dtype=self.model.dtype, device=self.device)  # [ctx, width]
         positions = torch.arange(ctx, device=self.device)  # [ctx]
         self.model.write_context(features, positions, meta, kv_caches, self._backend)
-        last = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
-        self.model.propose(last, [ctx], [page_table], kv_caches, self._backend, num_tokens=self.num_speculative_tokens)
+        self.model.propose_greedy([0], [ctx], [page_table], kv_caches, self._backend,
+                                  num_tokens=self.num_speculative_tokens)
 
     def _write_context(self, seqs: list[DraftSequence]) -> None:
         """Positions num_context .. of each sequence: every row it holds."""
