@@ -186,7 +186,9 @@ class ModelRunner:
 
     @staticmethod
     def _logit_rows(scheduled: list[ScheduledSeq], drafts: dict[int, list[int]], inputs: StepInputs):
-        """Rows whose logits are needed: all K+1 of a verify, else the last of a sampling chunk."""
+        """Rows whose logits are needed: all K+1 of a verify, else the last of a sampling chunk; as a
+        slice where they follow each other (a decode, one verify: a view, where a tensor of indices
+        would gather a copy)."""
         rows: list[int] = []
         spans: list[tuple[int, int, list[int]]] = []
         for s, start, q_len in zip(scheduled, inputs.row_starts, inputs.meta.query_lens):
@@ -196,4 +198,6 @@ class ModelRunner:
             first = start + q_len - 1 - len(draft)
             spans.append((len(rows), len(rows) + len(draft) + 1, draft))
             rows.extend(range(first, start + q_len))
+        if rows and rows[-1] - rows[0] == len(rows) - 1:  # rows only grow: no gap, so one slice
+            return slice(rows[0], rows[-1] + 1), spans
         return torch.tensor(rows, dtype=torch.long), spans
