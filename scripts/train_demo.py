@@ -553,8 +553,8 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
         target, target_record = pretrained.load_model(), pretrained.record()
         log(f"target: {target_from}/target, trained by an earlier run; training the drafters only")
     anneal_run, functions = None, None
-    annealed_before = pretrained is not None and pretrained.history.get("anneal") is not None
-    if sizes.anneal_steps and not annealed_before:  # the target's recipe finished: an earlier run's too
+    earlier_anneal = None if pretrained is None else pretrained.history.get("anneal")  # an earlier run's
+    if sizes.anneal_steps and earlier_anneal is None:  # the target's recipe finished: an earlier run's too
         functions = functions_stage(ctx, sources, tokenizer)
         target, anneal_run = anneal_stage(ctx, target, functions, streams, tokenizer)
     served = served_copy(target)
@@ -563,11 +563,12 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
     draft, pretrain_run, distill_run = draft_model_stage(ctx, streams, data, tokenizer)
 
     stage_seconds = {"tokenizer": streams.seconds, "target": target_record.pop("target_seconds"),
-                     "anneal": anneal_run.seconds if anneal_run is not None else 0.0,
+                     "anneal": anneal_run.seconds if anneal_run is not None else float(
+                         (earlier_anneal or {}).get("seconds", 0.0)),  # the target's time carried, as "target"
                      "continuations": continuations["seconds"], "dflash": dflash_run.seconds,
                      "draft_model": pretrain_run.seconds + distill_run.seconds}
     loops = {"dflash": dflash_run, "draft_pretrain": pretrain_run, "draft_distill": distill_run}
-    anneal_record = None if pretrained is None else pretrained.history.get("anneal")  # an earlier run's
+    anneal_record = earlier_anneal
     if anneal_run is not None:
         loops = {"anneal": anneal_run} | loops
         anneal_record = {"steps": sizes.anneal_steps, "final_loss": anneal_run.tail_mean("loss"),

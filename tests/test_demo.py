@@ -214,6 +214,8 @@ def test_target_from_trains_the_same_drafters_for_that_target(smoke_dir, tmp_pat
         assert history[key] == source[key], key
     assert history["loss_curves"]["target"] == source["loss_curves"]["target"]
     assert history["stage_seconds"]["target"] == source["stage_seconds"]["target"]
+    assert history["anneal"] == source["anneal"]  # annealed by the earlier run: its record and time carried
+    assert history["stage_seconds"]["anneal"] == source["stage_seconds"]["anneal"] > 0
 
 
 def test_target_from_a_run_without_the_anneal_anneals_its_target_first(smoke_dir, tmp_path):
