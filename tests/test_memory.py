@@ -5,8 +5,11 @@ from __future__ import annotations
 import gc
 import weakref
 
+from common.kv_layout import CacheConfig
 from common.memory import freeze_startup_heap
-from tests.test_engine import _core, model_dir  # noqa: F401  (the module fixture)
+from target_service.config import EngineConfig
+from target_service.engine import build_engine_core
+from tests.tiny_models import make_qwen3
 
 
 class Node:
@@ -29,9 +32,11 @@ def test_a_freeze_keeps_what_is_alive_from_full_collections_and_a_refreeze_colle
         gc.unfreeze()
 
 
-def test_a_warm_engine_has_frozen_its_heap(model_dir, tmp_path):  # noqa: F811
+def test_a_warm_engine_has_frozen_its_heap(tmp_path):
     gc.unfreeze()
-    core = _core(model_dir, tmp_path)
+    model = make_qwen3(tmp_path / "model")
+    core = build_engine_core(EngineConfig(model=str(model), dtype="float32",
+                                          cache=CacheConfig(cache_dtype="float32", shm_dir=str(tmp_path))))
     try:
         assert gc.get_freeze_count() == 0
         core.warmup()
