@@ -18,6 +18,19 @@ def slot_of(page_table: list[int], position: int, page_size: int) -> int:
     return page_table[position // page_size] * page_size + position % page_size
 
 
+def check_table_holds(table: list[int], page_size: int, tokens: int) -> None:
+    """A sequence's page table covers its first `tokens` positions, else a ValueError saying so."""
+    if len(table) * page_size < tokens:
+        raise ValueError(f"page table of {len(table)} pages cannot hold {tokens} tokens")
+
+
+def padded_page_tables(page_tables: list[list[int]], device: torch.device | None = None) -> torch.Tensor:
+    """[B, max_pages] int32: each sequence's page ids, padded with 0 (past its keys: never read)."""
+    max_pages = max((len(t) for t in page_tables), default=0)
+    padded = [list(t) + [0] * (max_pages - len(t)) for t in page_tables]
+    return torch.tensor(padded, dtype=torch.int32, device=device).view(len(page_tables), max_pages)
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]  # per sequence
@@ -60,11 +73,8 @@ class AttentionMetadata:
         for q_len, s_len, table in zip(query_lens, seq_lens, page_tables):
             if q_len > s_len:
                 raise ValueError(f"query length {q_len} exceeds sequence length {s_len}")
-            if len(table) * page_size < s_len:
-                raise ValueError(f"page table of {len(table)} pages cannot hold {s_len} tokens")
+            check_table_holds(table, page_size, s_len)
             slots.extend(slot_of(table, pos, page_size) for pos in range(s_len - q_len, s_len))
-        max_pages = max((len(t) for t in page_tables), default=0)
-        padded = [t + [0] * (max_pages - len(t)) for t in page_tables]
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
@@ -74,7 +84,7 @@ class AttentionMetadata:
             page_tables=[list(t) for t in page_tables],
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            page_table_tensor=torch.tensor(padded, dtype=torch.int32, device=device).view(len(page_tables), max_pages),
+            page_table_tensor=padded_page_tables(page_tables, device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             page_size=page_size,
             causal=causal,

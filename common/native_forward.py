@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.attention_metadata import AttentionMetadata
+from common.attention_metadata import AttentionMetadata, padded_page_tables
 from common.compiled_forward import DecoderStack
 from common.native_attention import KV_BF16, KV_F32, NativeCpuAttentionBackend
 from common.native_attention import STATUS as ATTENTION_STATUS
@@ -230,14 +230,13 @@ class NativeForward:
             entry.capture = None
         count = len(last_ids)
         sequences = torch.tensor([list(last_ids), list(context_lens)], dtype=torch.int64)  # [2, B]
-        width = max(len(table) for table in page_tables)
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in page_tables], dtype=torch.int32)  # [B, P]
+        tables = padded_page_tables(page_tables)  # [B, P]
         drafts = torch.empty(count, num_drafts, dtype=torch.int64)  # [B, n]
 
         def call() -> int:
             return self._entries.propose(ctypes.byref(self._decoder), self._layers, ctypes.byref(block),
                                          sequences[0].data_ptr(), sequences[1].data_ptr(), count, num_tokens,
-                                         num_drafts, tables.data_ptr(), width, self._rope.data_ptr(),
+                                         num_drafts, tables.data_ptr(), tables.shape[1], self._rope.data_ptr(),
                                          self._rope.shape[0], torch.get_num_threads(),
                                          None if context is None or context.rows == 0 else ctypes.byref(context),
                                          drafts.data_ptr())

@@ -31,7 +31,7 @@ from torch import nn
 
 from common.attention import write_kv_to_pages
 from common.attention_backends import AttentionBackend
-from common.attention_metadata import AttentionMetadata
+from common.attention_metadata import AttentionMetadata, check_table_holds
 from common.compiled_forward import CompileConfig, CompiledForward, CompiledRows, DecoderStack, rms_norm, rope
 from common.kv_layout import KVLayout
 from common.qwen3 import (
@@ -482,9 +482,7 @@ class DFlashDraftModel(FeatureHead):
         (what `write_context` would do first, in one pass less over the layers)."""
         k_draft = self.num_speculative_tokens if num_tokens is None else num_tokens
         kept = k_draft if num_drafts is None else num_drafts
-        if not 1 <= kept <= k_draft:
-            raise ValueError(f"propose: {kept} drafts from a block of {k_draft} masks")
-        self._check_propose_args(tuple(last_token_ids.shape), context_lens, page_tables, k_draft)
+        self._check_propose_args(tuple(last_token_ids.shape), context_lens, page_tables, k_draft, kept)
         layout: KVLayout = backend.layout
         device = last_token_ids.device
         meta = block_metadata(context_lens, page_tables, k_draft, layout.page_size, device, self.dflash.causal)
@@ -531,13 +529,9 @@ class DFlashDraftModel(FeatureHead):
             return self.propose(torch.tensor(list(last_token_ids), dtype=torch.long, device=self.fc.weight.device),
                                 context_lens, page_tables, kv_caches, backend, num_tokens=num_tokens,
                                 new_context=new_context, num_drafts=num_drafts).token_ids.tolist()
-        if not 1 <= kept <= num_tokens:
-            raise ValueError(f"propose: {kept} drafts from a block of {num_tokens} masks")
-        self._check_propose_args((len(last_token_ids),), context_lens, page_tables, num_tokens)
-        page_size = backend.layout.page_size
-        for p, table in zip(context_lens, page_tables):
-            if len(table) * page_size < p + num_tokens + 1:
-                raise ValueError(f"page table of {len(table)} pages cannot hold {p + num_tokens + 1} tokens")
+        self._check_propose_args((len(last_token_ids),), context_lens, page_tables, num_tokens, kept)
+        for p, table in zip(context_lens, page_tables):  # what block_metadata checks on the planned path
+            check_table_holds(list(table), backend.layout.page_size, p + num_tokens + 1)
         context = None if new_context is None else native.context_rows(
             new_context.features, self.fc, self.hidden_norm.weight, new_context.positions, new_context.slot_mapping)
         return native.propose(block, last_token_ids, context_lens, page_tables, num_tokens, kept, kv_caches, backend,
@@ -597,11 +591,14 @@ class DFlashDraftModel(FeatureHead):
         context_lens: Sequence[int],
         page_tables: Sequence[Sequence[int]],
         k_draft: int,
+        kept: int,
     ) -> None:
         if not 1 <= k_draft <= self.num_speculative_tokens:
             raise ValueError(
                 f"propose: num_tokens must be in 1..{self.num_speculative_tokens}, got {k_draft}"
             )
+        if not 1 <= kept <= k_draft:
+            raise ValueError(f"propose: {kept} drafts from a block of {k_draft} masks")
         if last_tokens_shape != (len(context_lens),) or len(page_tables) != len(context_lens):
             raise ValueError(
                 f"propose: {last_tokens_shape} last tokens, {len(context_lens)} context lengths "
