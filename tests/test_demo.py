@@ -413,6 +413,30 @@ def test_dflash_generate_reproduces_target_greedy(demo_dir, monkeypatch):
     assert max(accepted) > 1, "the drafter never had a draft token accepted"
 
 
+def test_the_preallocated_cache_decodes_what_transformers_own_cache_does(demo_dir, monkeypatch):
+    """The continuations' cache writes in place instead of concatenating: the same tokens and
+    the same hidden-state bits as transformers' DynamicCache, and a step past its room is refused."""
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    target = AutoModelForCausalLM.from_pretrained(demo_dir / "target", dtype=torch.float32).eval()
+    prompts = torch.randint(10, target.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    layer_ids = [0, target.config.num_hidden_layers - 1]
+    ids, features = demo_drafters.greedy_continue_with_features(target, prompts, 20, layer_ids)
+    monkeypatch.setattr(demo_drafters, "preallocated_cache", lambda model, capacity: DynamicCache(config=model.config))
+    expected_ids, expected_features = demo_drafters.greedy_continue_with_features(target, prompts, 20, layer_ids)
+    assert torch.equal(ids, expected_ids) and torch.equal(features, expected_features)
+
+    layer = demo_drafters.PreallocatedLayer(4)
+    keys = torch.randn(2, 1, 3, 8)
+    first_keys, _ = layer.update(keys, keys.clone())
+    assert torch.equal(first_keys, keys) and layer.get_seq_length() == 3
+    with pytest.raises(ValueError, match="holds 4 positions; this step would fill 5"):
+        layer.update(keys[:, :, :2], keys[:, :, :2])
+    with pytest.raises(ValueError, match="at least 1"):
+        demo_drafters.PreallocatedLayer(0)
+
+
 # ---------------------------------------------------------------------------------------
 # `splitspec up`
 
