@@ -25,7 +25,7 @@ up: setup
 # -v names each test as it starts (the slow ones are marked `slow`); --durations lists the slowest at the end
 test: setup
 	@scripts/test_prereqs.sh
-	@echo "make test: the whole suite takes about 25 minutes on 2 CPU cores (tests/test_soak.py alone: 1-5 min)"
+	@echo "make test: the whole suite takes about 30 minutes on 2 CPU cores (tests/test_soak.py alone: 1-5 min)"
 	$(BIN)/python -m pytest -v -ra --durations=20
 
 # The pure tests: no service process or subprocess (marked `stack` by tests/conftest.py), none marked `slow`
