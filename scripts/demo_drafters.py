@@ -48,6 +48,8 @@ class PreallocatedLayer(DynamicLayer):
     concatenates, copying the whole cache every step: at 192 sequences × 288 tokens that copy
     was half of a continuation batch's time (py-spy of `train_demo.py`)."""
 
+    is_croppable = False  # DynamicLayer's crop and batch edits reassign `keys`, leaving the buffers behind
+
     def __init__(self, capacity: int) -> None:
         super().__init__()
         if capacity < 1:
@@ -71,6 +73,16 @@ class PreallocatedLayer(DynamicLayer):
         self.length = end
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
+
+    def reset(self) -> None:
+        super().reset()
+        self.length = 0
+
+    def _unsupported(self, *args, **kwargs) -> None:
+        raise NotImplementedError("PreallocatedLayer decodes one batch straight through: no crop, reorder or "
+                                  "batch edits")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
 @torch.no_grad()
