@@ -8,6 +8,7 @@ The batch is token-flat: sequence b owns query rows
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ def slot_of(page_table: list[int], position: int, page_size: int) -> int:
     return page_table[position // page_size] * page_size + position % page_size
 
 
-def check_table_holds(table: list[int], page_size: int, tokens: int) -> None:
+def check_table_holds(table: Sequence[int], page_size: int, tokens: int) -> None:
     """A sequence's page table covers its first `tokens` positions, else a ValueError saying so."""
     if len(table) * page_size < tokens:
         raise ValueError(f"page table of {len(table)} pages cannot hold {tokens} tokens")

@@ -531,7 +531,7 @@ class DFlashDraftModel(FeatureHead):
                                 new_context=new_context, num_drafts=num_drafts).token_ids.tolist()
         self._check_propose_args((len(last_token_ids),), context_lens, page_tables, num_tokens, kept)
         for p, table in zip(context_lens, page_tables):  # what block_metadata checks on the planned path
-            check_table_holds(list(table), backend.layout.page_size, p + num_tokens + 1)
+            check_table_holds(table, backend.layout.page_size, p + num_tokens + 1)
         context = None if new_context is None else native.context_rows(
             new_context.features, self.fc, self.hidden_norm.weight, new_context.positions, new_context.slot_mapping)
         return native.propose(block, last_token_ids, context_lens, page_tables, num_tokens, kept, kv_caches, backend,

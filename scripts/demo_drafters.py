@@ -55,28 +55,23 @@ class PreallocatedLayer(DynamicLayer):
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.capacity = capacity
-        self.length = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.get_seq_length()  # the filled part (0 before the first update): `keys` is a view of it
+        end = start + key_states.shape[-2]
+        if end > self.capacity:  # checked first: a refused step leaves the layer as it was
+            raise ValueError(f"the cache holds {self.capacity} positions; this step would fill {end}")
         if not self.is_initialized:
             self.device = key_states.device
             batch, heads, _, dim = key_states.shape
             self._k = key_states.new_empty(batch, heads, self.capacity, dim)
             self._v = value_states.new_empty(batch, value_states.shape[1], self.capacity, value_states.shape[-1])
             self.is_initialized = True
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise ValueError(f"the cache holds {self.capacity} positions; this step would fill {end}")
-        self._k[:, :, self.length:end] = key_states
-        self._v[:, :, self.length:end] = value_states
-        self.length = end
+        self._k[:, :, start:end] = key_states
+        self._v[:, :, start:end] = value_states
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
-
-    def reset(self) -> None:
-        super().reset()
-        self.length = 0
 
     def _unsupported(self, *args, **kwargs) -> None:
         raise NotImplementedError("PreallocatedLayer decodes one batch straight through: no crop, reorder or "

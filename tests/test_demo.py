@@ -439,7 +439,7 @@ def test_the_preallocated_cache_decodes_what_transformers_own_cache_does(demo_di
         layer.crop(1)
     layer.reset()  # empty again: the next update starts at position 0
     assert layer.get_seq_length() == 0
-    assert torch.equal(layer.update(keys[:, :, :1], keys[:, :, :1])[0], keys[:, :, :1]) and layer.length == 1
+    assert torch.equal(layer.update(keys[:, :, :1], keys[:, :, :1])[0], keys[:, :, :1]) and layer.get_seq_length() == 1
 
 
 # ---------------------------------------------------------------------------------------
