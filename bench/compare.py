@@ -76,6 +76,8 @@ class Result:
     zero_k_share: float | None = None  # share of those decisions that asked for none
     verify_ms: float | None = None  # mean forward of a step that checked drafts
     decode_ms: float | None = None  # mean forward of a step of one new token per sequence
+    vs_row4: float | None = None  # tokens/s / row 4's, the median over the rounds of each round's ratio
+    step_vs_row4: float | None = None  # step time / row 4's, likewise
 
     @property
     def tokens_per_s(self) -> float:
@@ -242,6 +244,13 @@ def in_process_engine(models: Path, shm_dir: str, k: int, kind: str = "dflash", 
     return build_engine_core(config, drafter_stub=drafter)
 
 
+def pool_folder() -> str | None:
+    """Where the engines' KV pools go: the services' default shm dir (a tmpfs, as deployed), not a
+    temp dir that may sit on a disk, whose writeback would tax every KV write; elsewhere the default."""
+    folder = CacheConfig.__dataclass_fields__["shm_dir"].default
+    return folder if os.path.isdir(folder) and os.access(folder, os.W_OK) else None
+
+
 def load_held_out(models: Path, num_prompts: int):
     """(the demo tokenizer, the first `num_prompts` held-out prompts as its token ids)."""
     from transformers import AutoTokenizer
@@ -294,16 +303,30 @@ class EngineRow:
 
 def measure_interleaved(rows: list[EngineRow], prompts: list[list[int]], new_tokens: int, concurrency: int,
                         repeat: int) -> list[Result]:
-    """Each row's median of `repeat` runs, the rows taking turns (row 4, 5, ..., 8, then again):
-    a drift of this machine's speed over the minutes of a run then lands on every row alike,
-    where row after row it would land on whichever ran during it."""
+    """Each row's median of `repeat` runs, the rows taking turns, in order and then in reverse
+    (row 4, 5, ..., 8, then 8, ..., 4): a drift of this machine's speed over the minutes of a run
+    lands on every row alike, and no row always runs first. Against row 4, a row's ratio is the
+    median of its ratio to row 4's run of the same round: this VM's speed moves between rounds
+    more than between the runs of one round (docs/performance.md#run-to-run-spread-of-the-comparison)."""
     rows = [r for r in rows if r.levels is None or concurrency in r.levels]
     runs: dict[int, list[Result]] = {r.row: [] for r in rows}
-    for _ in range(repeat):
-        for r in rows:
+    for i in range(repeat):
+        for r in rows if i % 2 == 0 else rows[::-1]:
             runs[r.row].append(measure_once(r.core, r.row, r.name, prompts, new_tokens, concurrency,
                                             r.drafter_metrics, r.speculate))
-    return [median_of(found, key=lambda res: res.seconds) for found in runs.values()]
+    medians = [median_of(found, key=lambda res: res.seconds) for found in runs.values()]
+    if 4 in runs:
+        for found, median in zip(runs.values(), medians, strict=True):
+            median.vs_row4, median.step_vs_row4 = paired_ratios(found, runs[4])
+    return medians
+
+
+def paired_ratios(runs: list[Result], baseline: list[Result]) -> tuple[float, float | None]:
+    """(tokens/s, step time) of each run over the baseline's run of the same round, medians."""
+    speed = median_of([run.tokens_per_s / base.tokens_per_s for run, base in zip(runs, baseline, strict=True)])
+    steps = [run.step_ms / base.step_ms for run, base in zip(runs, baseline, strict=True)
+             if run.step_ms and base.step_ms]
+    return speed, median_of(steps) if steps else None
 
 
 def forward_mean(core: EngineCore, kind: str) -> HistogramMean:
@@ -439,7 +462,9 @@ def table(results: list[Result], args: argparse.Namespace, kernels: list[str] = 
         f"demo models, {args.prompts} held-out prompts (as many distinct ones as a higher concurrency keeps in "
         f"flight; every run from an empty prefix cache), {args.new_tokens} new tokens each, greedy, K={args.k} "
         f"({args.speculative_policy} policy); "
-        f"each row the median of {args.repeat} runs, the rows taking turns.",
+        f"rows 4-10 each the median of {args.repeat} runs, the rows taking turns (in order, then in reverse), "
+        f"their \"vs 4\" the median of each round's ratio to row 4's run; rows 1-3 medians of "
+        f"{args.reference_repeat} runs.",
         "",
         "| # | run | concurrency | tok/s | vs 1 | vs 4 | accept len | step ms | verify ms | propose ms "
         "| in drafter ms | note |",
@@ -447,8 +472,9 @@ def table(results: list[Result], args: argparse.Namespace, kernels: list[str] = 
     ]
     for r in sorted(results, key=lambda r: (r.concurrency, r.row)):
         one, four = base.get((1, r.concurrency)), base.get((4, r.concurrency))
+        vs_four = _fmt(r.vs_row4, ".2f") if r.vs_row4 is not None else _ratio(r.tokens_per_s, four)
         lines.append(f"| {r.row} | {r.name} | {r.concurrency} | {r.tokens_per_s:.1f} | {_ratio(r.tokens_per_s, one)} "
-                     f"| {_ratio(r.tokens_per_s, four)} | {_fmt(r.acceptance_length, '.2f')} "
+                     f"| {vs_four} | {_fmt(r.acceptance_length, '.2f')} "
                      f"| {_fmt(r.step_ms, '.1f')} | {_fmt(r.verify_ms, '.1f')} | {_fmt(r.propose_ms, '.2f')} "
                      f"| {_fmt(r.drafter_ms, '.2f')} "
                      f"| {r.note} |")
@@ -480,9 +506,9 @@ def targets(results: list[Result]) -> list[str]:
 
     r = lambda row, c=1: by.get((row, c))  # noqa: E731
     if r(7) and r(4):
-        check("row 7 / row 4 tokens/s at concurrency 1", r(7).tokens_per_s / r(4).tokens_per_s, 1.5)
+        check("row 7 / row 4 tokens/s at concurrency 1", _vs_row4(r(7), r(4)), 1.5)
         if r(8):
-            check("row 8 / row 4 tokens/s at concurrency 1", r(8).tokens_per_s / r(4).tokens_per_s, 1.5)
+            check("row 8 / row 4 tokens/s at concurrency 1", _vs_row4(r(8), r(4)), 1.5)
         decode = r(4).decode_ms
         if r(7).verify_ms is not None and decode:
             check("row 7 verify step / row 4 decode step at concurrency 1", r(7).verify_ms / decode, 1.3,
@@ -491,8 +517,8 @@ def targets(results: list[Result]) -> list[str]:
             check("time inside the drafter per Propose / row 4 decode step at concurrency 1",
                   r(7).drafter_ms / decode, 0.35, higher=False)
     if r(9) and r(4):
-        check("row 9 (the split asking no drafts) / row 4 step time at concurrency 1", r(9).step_ms / r(4).step_ms,
-              1.02, higher=False)
+        step_ratio = r(9).step_vs_row4 if r(9).step_vs_row4 is not None else r(9).step_ms / r(4).step_ms
+        check("row 9 (the split asking no drafts) / row 4 step time at concurrency 1", step_ratio, 1.02, higher=False)
     if r(7) and r(8):
         check("row 7 / row 8 step time at concurrency 1", r(7).step_ms / r(8).step_ms, 1.05, higher=False)
         out.extend(split_cost(r(7), r(8)))
@@ -503,10 +529,15 @@ def targets(results: list[Result]) -> list[str]:
     for c in sorted({res.concurrency for res in results}):
         speculative = [res for res in results if res.concurrency == c and 5 <= res.row <= 8]
         if speculative and r(4, c):
-            worst = min(speculative, key=lambda res: res.tokens_per_s)
+            worst = min(speculative, key=lambda res: _vs_row4(res, r(4, c)))
             check(f"slowest speculative row (row {worst.row}) / row 4 tokens/s at concurrency {c}",
-                  worst.tokens_per_s / r(4, c).tokens_per_s, 0.98)
+                  _vs_row4(worst, r(4, c)), 0.98)
     return out
+
+
+def _vs_row4(result: Result, row4: Result) -> float:
+    """The paired ratio where the rows took turns with row 4, else the ratio of their medians."""
+    return result.vs_row4 if result.vs_row4 is not None else result.tokens_per_s / row4.tokens_per_s
 
 
 def split_cost(split: Result, joined: Result) -> list[str]:
@@ -542,22 +573,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative-policy", default="adaptive", choices=SPECULATIVE_POLICIES,
                         help="how many drafts each step asks for (fixed: always K)")
     parser.add_argument("--concurrency", default="1,8,16")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per row; the table shows the median")
+    parser.add_argument("--repeat", type=int, default=9,
+                        help="runs of each splitspec row (rows 4-10), taking turns; the table shows medians")
+    parser.add_argument("--reference-repeat", type=int, default=3,
+                        help="runs of each reference row (rows 1-3: transformers and dflash_generate)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--compile", action="store_true",
                         help="rows 4-8 with the compiled forward (every bucket compiled at warmup)")
     parser.add_argument("--write-readme", action="store_true", help="replace the table in README.md")
     args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    for name in ("repeat", "reference_repeat"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = tuple(int(c) for c in args.concurrency.split(","))
     measured_levels = sorted({*levels, 16})  # row 4 at 16 always
     tokenizer, held_out = load_held_out(args.models, max(args.prompts, *measured_levels))
     prompts, batches = held_out[: args.prompts], batches_for(held_out, args.prompts, measured_levels)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = reference_rows(args.models, prompts, batches, args.new_tokens, levels, args.repeat, tokenizer)
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as tmp:
+        results = reference_rows(args.models, prompts, batches, args.new_tokens, levels, args.reference_repeat,
+                                 tokenizer)
         rows, kernels = splitspec_rows(args.models, batches, args.new_tokens, levels, args.k, args.repeat, tmp,
                                        args.speculative_policy, args.compile)
     results += rows

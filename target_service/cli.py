@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                         help="KV pool budget, e.g. 2GiB")
     budget.add_argument("--kv-cache-memory-fraction", type=fraction, default=0.5,
-                        help="KV pool budget as a fraction of free device memory")
+                        help="KV pool budget as a fraction of available memory "
+                             "(free GPU memory; on a CPU, MemAvailable)")
     cache.add_argument("--num-pages", type=positive_int, default=None,
                        help="exact pool size in pages (overrides the budget)")
     cache.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_compare_runs_every_row(tmp_path, capsys):
     models = make_bench_models(tmp_path / "models")
     assert compare.main(["--models", str(models), "--prompts", "2", "--new-tokens", "6", "--concurrency", "1",
-                         "--k", "4", "--repeat", "1"]) == 0
+                         "--k", "4", "--repeat", "1", "--reference-repeat", "1"]) == 0
     out = capsys.readouterr().out
     for row in range(1, 10):
         assert f"\n| {row} | " in out
@@ -67,3 +67,25 @@ def test_a_concurrency_above_the_prompt_count_gets_distinct_prompts_while_there_
     assert batches[16] == held_out and len({tuple(p) for p in batches[16]}) == 16
     short = compare.batches_for(held_out[:8], 8, (16,))  # only 8 exist: repeated, as before
     assert short[16] == held_out[:8] * 2
+
+
+def test_rows_take_turns_in_both_orders_and_are_judged_against_row_4_of_the_same_round(monkeypatch):
+    """Each row's "vs 4" is the median of its ratio to row 4's run in the same round, whatever the
+    machine's speed did between rounds, and no row always runs first."""
+    order: list[int] = []
+    speed_of_round = [1.0, 0.5, 0.8]  # this VM's drift: every row in a round runs at that speed
+    row_speed = {4: 100.0, 5: 90.0, 9: 100.0}
+
+    def measure_once(core, row, name, prompts, new_tokens, concurrency, drafter_metrics=None, speculate=True):
+        order.append(row)
+        tokens_per_s = row_speed[row] * speed_of_round[(len(order) - 1) // len(row_speed)]
+        return compare.Result(row, name, concurrency, tokens=100, seconds=100 / tokens_per_s, steps=50)
+
+    monkeypatch.setattr(compare, "measure_once", measure_once)
+    rows = [compare.EngineRow(row, f"row {row}", core=None) for row in row_speed]
+    results = {r.row: r for r in compare.measure_interleaved(rows, [[1]], 4, 1, repeat=3)}
+    assert order == [4, 5, 9, 9, 5, 4, 4, 5, 9]
+    assert results[5].vs_row4 == pytest.approx(0.9) and results[9].vs_row4 == pytest.approx(1.0)
+    assert results[5].step_vs_row4 == pytest.approx(1 / 0.9) and results[4].vs_row4 == pytest.approx(1.0)
+    slowest = next(line for line in compare.targets(list(results.values())) if "slowest speculative" in line)
+    assert "row 5" in slowest and ": 0.90 (MISSED" in slowest

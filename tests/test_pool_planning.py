@@ -4,6 +4,7 @@ bounded before it sizes anything."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from common.kv_layout import CacheConfig
 from common.native_attention import NativeCpuAttentionBackend
 from common.qwen3 import Qwen3ForCausalLM
 from target_service.config import EngineConfig
-from target_service.pool_planning import STAGING_BYTES, PoolPlanner, staging_rows
+from target_service.pool_planning import STAGING_BYTES, PoolPlanner, available_memory, staging_rows
 from tests.tiny_models import make_qwen3
 
 
@@ -56,3 +57,18 @@ def test_staging_rows_default_to_sixteen_steps_within_the_byte_cap_or_as_configu
     assert configured.plan(facts((0, 1)), "t", 1).staging.rows == 600
     with pytest.raises(ValueError, match="staging_rows must hold one step's tokens"):
         dataclasses.replace(planner.config, staging_rows=100)
+
+
+def test_a_cpu_pool_is_budgeted_from_what_linux_could_hand_out_not_its_free_pages(tmp_path):
+    """MemAvailable counts the page cache the kernel can drop; free pages alone shrink to a sliver on a
+    host that has just read its checkpoints. Without a readable MemAvailable, free pages it is."""
+    cpu = torch.device("cpu")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683568 kB\nMemFree:          409600 kB\nMemAvailable:   21495808 kB\n")
+    assert available_memory(cpu, str(meminfo)) == 21495808 * 1024
+    free_pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for text in ("MemTotal:       24683568 kB\nMemFree:          409600 kB\n",  # a kernel before 3.14
+                 "MemAvailable:   lots kB\n", "MemAvailable:   123 MB\n"):
+        meminfo.write_text(text)
+        assert 0 < available_memory(cpu, str(meminfo)) <= max(free_pages, 1) * 2  # free pages, give or take
+    assert available_memory(cpu, str(tmp_path / "absent")) > 0
