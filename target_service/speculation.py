@@ -37,6 +37,11 @@ from target_service.sequence import Sequence
 log = logging.getLogger(__name__)
 
 MAX_DEFERRED_RELEASES = 256  # released sequence ids that may wait for the next Propose
+# Forwards after a Propose that run cold: the drafter's work evicted the target's weights from the
+# caches, so the first step without drafts after one took 1.67 ms where such steps take 1.09 (row 7,
+# AMD EPYC, docs/performance.md#the-adaptive-policys-rules). Priced as steps without drafts, they made
+# those look 20% dearer than they are to a policy that was drafting at a loss.
+COLD_STEPS = 2
 
 
 @dataclass
@@ -192,6 +197,7 @@ class Speculator:
     _probe_turn: int = 0
     _probe_seq: int | None = None
     _probing: bool = False  # this step's drafts are a probe (lookahead): its Propose's cost is recorded
+    _steps_since_propose: int = COLD_STEPS  # 0: this step called the drafter (`propose`); counts forwards since
     # Per sequence, the context tokens computed since it last drafted, outside its drafting steps
     # (a prompt, steps without drafts): the drafter catches up on them when it next drafts
     _behind: dict[int, int] = field(default_factory=dict)
@@ -384,6 +390,7 @@ class Speculator:
             self.link.mark_failed(describe_rpc_error(exc))
             return {}
         self._note_written(reply)
+        self._steps_since_propose = 0
         elapsed = time.monotonic() - started
         metrics.propose_latency.observe(elapsed)
         if asked:
@@ -420,9 +427,12 @@ class Speculator:
         """What the step taught the policy (its cost, its acceptance), and each followed
         sequence's new context queued for the next Propose."""
         scheduled = record.scheduled
-        if not record.prefilled:
+        cold = self._steps_since_propose < COLD_STEPS  # a Propose ran in this step or the one before
+        self._steps_since_propose += 1
+        if not record.prefilled and (record.drafts or not cold):
             # A prefill chunk's tokens cost less each (no logits, one sequence), and would make
-            # wide verifies look cheap.
+            # wide verifies look cheap. A step without drafts is priced warm (`COLD_STEPS`): what it
+            # costs cold is what drafting leaves behind, not what declining it costs.
             query_tokens = sum(s.num_query_tokens for s in scheduled) + sum(map(len, record.drafts.values()))
             self.policy.record_forward(len(scheduled), query_tokens, record.seconds)
         if self.link.ready:

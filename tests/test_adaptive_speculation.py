@@ -475,3 +475,42 @@ def test_a_batch_far_behind_does_not_resume_drafting(speculative_engine, checkpo
     assert tokens == reference
     assert usage.draft_tokens == 0 and not _probes(core), chosen
     core.close()
+
+
+def test_a_step_without_drafts_is_priced_only_when_no_propose_ran_in_it_or_the_step_before(
+        speculative_engine, checkpoints):
+    """The forward right after a Propose runs cold (the drafter's work evicted the target's weights):
+    priced as a step without drafts, it would make declining drafts look dearer than it is. Drafts
+    that are never accepted keep the policy at k = 0 with probes, so Proposes and steps without
+    drafts alternate; which forwards reach the cost tables is what is checked, through the real
+    engine and drafter."""
+    from target_service.speculation import COLD_STEPS
+
+    target, _, other = checkpoints
+    core = _core(speculative_engine, target, other)
+    step = {"index": 0, "proposed": set()}
+    priced: list[tuple[int, int, int]] = []  # (step, sequences, query tokens) of each priced forward
+    link, policy = core.speculator.link, core.speculator.policy
+    propose, record_forward, engine_step = link.propose, policy.record_forward, core.step
+
+    def counted_propose(request):
+        step["proposed"].add(step["index"])
+        return propose(request)
+
+    def counted_step():
+        step["index"] += 1
+        return engine_step()
+
+    link.propose = counted_propose
+    policy.record_forward = lambda n, tokens, seconds: (priced.append((step["index"], n, tokens)),
+                                                        record_forward(n, tokens, seconds))
+    core.step = counted_step
+    tokens, _, _ = _generate(core, PROMPTS[1])
+    assert tokens == _generate(core, PROMPTS[1], speculate=False)[0]
+    plain = [index for index, n, width in priced if width == n]  # one query token per sequence: no drafts
+    cold = [index for index in plain if any(index - ago in step["proposed"] for ago in range(COLD_STEPS))]
+    assert cold == [], f"steps without drafts priced within {COLD_STEPS} steps of a Propose: {cold}"
+    assert len(step["proposed"]) >= 3 and len(plain) >= 10, (step["proposed"], plain)
+    drafted = [index for index, n, width in priced if width > n]
+    assert drafted and set(drafted) <= step["proposed"]  # every verify priced: it always follows its Propose
+    core.close()
