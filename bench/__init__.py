@@ -1,23 +1,14 @@
 """Benchmarks, each run as a script from the repository root (`.venv/bin/python bench/<name>.py`).
 What the ones that drive the demo pair's engine in this process share: their arguments
-(`demo_pair_args`, `held_out_prompts`), a run of one request at a time (`one_at_a_time`), and
-where their KV pools go (`pool_folder`)."""
+(`demo_pair_args`, `held_out_prompts`) and a run of one request at a time (`one_at_a_time`)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHM_DIR = "/dev/shm"  # the services' default --shm-dir (common/kv_layout.py's CacheConfig)
-
-
-def pool_folder() -> str | None:
-    """Where a benchmark's KV pools go: the services' default shm dir (a tmpfs, as deployed), not a
-    temp dir that may sit on a disk, whose writeback would tax every KV write; elsewhere the default."""
-    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
 
 
 def demo_pair_args(description: str, *, prompts: int, new_tokens: int,
