@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import demo_pair_args, held_out_prompts  # noqa: E402
 from bench.compare import engine_config, requests_for, run_engine  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(prompts)} held-out prompts, {args.new_tokens} new tokens, median of {args.repeat}\n")
     print("| concurrency | torch tok/s | torch step ms | native tok/s | native step ms | native / torch | same greedy |")
     print("|---:|---:|---:|---:|---:|---:|---|")
-    with tempfile.TemporaryDirectory(prefix="splitspec-attention-") as shm:
+    with tempfile.TemporaryDirectory(dir=pool_folder(), prefix="splitspec-attention-") as shm:
         cores = {}
         for name in BACKENDS:
             config = dataclasses.replace(engine_config(args.models, shm, args.k, compile_steps=args.compile),

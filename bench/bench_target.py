@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compare import run_engine  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 from common.kv_layout import CacheConfig  # noqa: E402
 from splitspec.tiny_models import PROMPTS, make_qwen3  # noqa: E402
 from target_service.config import EngineConfig  # noqa: E402
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as tmp:
         model_dir = make_qwen3(Path(tmp) / "model", hidden_size=args.hidden_size,
                                intermediate_size=3 * args.hidden_size, num_hidden_layers=args.layers,
                                num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden_size // 8)

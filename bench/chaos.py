@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import httpx2  # noqa: E402
 
+from bench.pools import pool_folder  # noqa: E402
 from splitspec.up import stop_process  # noqa: E402
 from splitspec.v1 import generation_pb2 as pb  # noqa: E402
 from splitspec.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
@@ -327,7 +328,7 @@ def reference_outputs(base: str, max_tokens: int) -> dict[str, str]:
 
 
 def run(config: ChaosConfig, work: Path) -> dict:
-    shm = Path(tempfile.mkdtemp(prefix="splitspec-chaos-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    shm = Path(tempfile.mkdtemp(prefix="splitspec-chaos-", dir=pool_folder()))
     up = Up(config, shm, work / "up.log")
     rng = random.Random(config.seed)
     tally, kills, samples = Tally(), [], {}

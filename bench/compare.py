@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.pools import pool_folder  # noqa: E402
 from common.compiled_forward import CompileConfig  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
 from common.cpu_linear import describe_kernels  # noqa: E402
@@ -242,13 +243,6 @@ def in_process_engine(models: Path, shm_dir: str, k: int, kind: str = "dflash", 
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     return build_engine_core(config, drafter_stub=drafter)
-
-
-def pool_folder() -> str | None:
-    """Where the engines' KV pools go: the services' default shm dir (a tmpfs, as deployed), not a
-    temp dir that may sit on a disk, whose writeback would tax every KV write; elsewhere the default."""
-    folder = CacheConfig.__dataclass_fields__["shm_dir"].default
-    return folder if os.path.isdir(folder) and os.access(folder, os.W_OK) else None
 
 
 def load_held_out(models: Path, num_prompts: int):

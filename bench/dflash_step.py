@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from bench.pools import pool_folder  # noqa: E402
 from common.attention_backends import select_backend  # noqa: E402
 from common.attention_metadata import AttentionMetadata, slot_of  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     features = torch.randn(total, width, generator=generator).to(model.dtype)  # [total, width]
     table = list(range(num_pages))
     seconds: dict[str, list[float]] = {name: [] for name in drafters}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as tmp:
         pools = {}
         for name in drafters:  # one pool file per folder
             Path(tmp, name).mkdir()

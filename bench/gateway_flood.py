@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx2  # noqa: E402
 
+from bench.pools import pool_folder  # noqa: E402
 from splitspec.net import free_port  # noqa: E402
 from splitspec.up import Stack, child_env, wait_http_ok, wait_serving  # noqa: E402
 
@@ -127,7 +128,7 @@ def flood(model: Path, rounds: int, phases: tuple[str, ...] = PHASES, settle_s: 
     rng = random.Random(0)
     stack = Stack(echo=False)
     env = child_env()
-    shm = tempfile.mkdtemp(prefix="splitspec-flood-", dir="/dev/shm")
+    shm = tempfile.mkdtemp(prefix="splitspec-flood-", dir=pool_folder())
     memory = {}
     try:
         port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")

@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.pools import pool_folder  # noqa: E402
 from splitspec.up import stop_process  # noqa: E402
 from splitspec.v1 import generation_pb2 as pb  # noqa: E402
 from splitspec.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
@@ -55,8 +56,7 @@ class Target:
     """A target process started from `source_dir`, on a private shm folder."""
 
     def __init__(self, source_dir: Path, model: Path, log_path: Path) -> None:
-        self.shm = Path(tempfile.mkdtemp(prefix="splitspec-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                         else None))
+        self.shm = Path(tempfile.mkdtemp(prefix="splitspec-bench-", dir=pool_folder()))
         self.log_path = log_path
         cmd = [sys.executable, "-m", "target_service.cli", "--model", str(model), "--port", "0",
                "--metrics-port", "0", "--shm-dir", str(self.shm), "--num-pages", "512"]

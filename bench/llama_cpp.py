@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.compare import engine_config, forward_description, load_held_out, run_engine  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 from common.cpu_info import read_cpu_info  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     context = max(len(p) for p in prompts) + args.new_tokens + 16
     rows: list[tuple[str, int, float]] = []
     notes: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as tmp:
         ggufs = {t: convert(args.models / "target", args.llama_cpp, t, Path(tmp))
                  for t in args.types.split(",")}
         for concurrency in levels:

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import demo_pair_args, held_out_prompts, one_at_a_time  # noqa: E402
 from bench.compare import in_process_engine  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 from target_service.api_types import LogprobParams, SamplingParams, SpeculationParams  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
 
@@ -37,7 +38,7 @@ def run(core: EngineCore, prompts: list[list[int]], new_tokens: int, speculate: 
 def main(argv: list[str] | None = None) -> int:
     args = demo_pair_args(__doc__, prompts=4, new_tokens=64, threads=None).parse_args(argv)
     prompts = held_out_prompts(args)
-    with tempfile.TemporaryDirectory(prefix="splitspec-options-") as shm:
+    with tempfile.TemporaryDirectory(dir=pool_folder(), prefix="splitspec-options-") as shm:
         core = in_process_engine(args.models, shm, args.k, kind="dflash")
         try:
             rows = [(name, speculate) for speculate in (True, False) for name in OPTIONS]

@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.compare import in_process_engine, load_held_out, run_engine  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 
 
 def counter(registry, name: str, labels: dict[str, str] | None = None) -> float:
@@ -50,7 +51,7 @@ def counters(registry, k: int) -> tuple[float, float, float, float]:
 
 
 def measure(models: Path, kind: str, prompts: list[list[int]], new_tokens: int, k: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as shm_dir:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as shm_dir:
         core = in_process_engine(models, shm_dir, k, kind, "fixed")
         try:
             core.warmup()

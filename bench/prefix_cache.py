@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.pools import pool_folder  # noqa: E402
 from common.kv_layout import CacheConfig  # noqa: E402
 from splitspec.tiny_models import make_qwen3  # noqa: E402
 from target_service.api_types import EngineRequest, StopParams  # noqa: E402
@@ -154,7 +154,7 @@ def main() -> None:
 
     workload = make_workload(args)
     max_len = args.system_tokens + args.turns * (args.user_tokens + 2 * args.new_tokens) + 64
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as tmp:
         model_dir = make_qwen3(Path(tmp) / "model", hidden_size=args.hidden_size,
                                intermediate_size=3 * args.hidden_size, num_hidden_layers=args.layers,
                                num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden_size // 8,

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.compare import DrafterProcess, engine_config  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 from splitspec.v1 import drafter_pb2 as dpb  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gaps = [float(g) / 1e3 for g in args.gaps_ms.split(",")]
     token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as tmp:
         drafter = DrafterProcess("ngram", args.models, token, Path(tmp) / "ngram.log", tmp)
         try:
             core = build_engine_core(engine_config(args.models, tmp, k=8, drafter=drafter.address, token=token))

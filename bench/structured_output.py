@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import demo_pair_args, held_out_prompts, one_at_a_time  # noqa: E402
 from bench.compare import engine_config, in_process_engine  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 from target_service.api_types import StructuredOutputKind, StructuredOutputParams  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prompts = held_out_prompts(args)
     params = StructuredOutputParams(StructuredOutputKind.JSON_SCHEMA, json.dumps(SCHEMA), disable_any_whitespace=True)
-    with tempfile.TemporaryDirectory() as shm_dir:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as shm_dir:
         plain = build_engine_core(engine_config(args.models, shm_dir, args.k))
         # one speculative engine per output kind: each policy learns its own traffic's acceptance
         speculative = in_process_engine(args.models, shm_dir, args.k, "dflash", args.policy)

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import demo_pair_args, held_out_prompts  # noqa: E402
 from bench.compare import engine_config, in_process_engine, run_engine  # noqa: E402
+from bench.pools import pool_folder  # noqa: E402
 from target_service.engine import build_engine_core  # noqa: E402
 from target_service.engine_core import EngineCore  # noqa: E402
 
@@ -59,7 +60,7 @@ def divergence(reference: list[list[int]], other: list[list[int]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = demo_pair_args(__doc__, prompts=16, new_tokens=128).parse_args(argv)
     prompts = held_out_prompts(args)
-    with tempfile.TemporaryDirectory() as shm_dir:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as shm_dir:
         cores = {dtype: build_pair(args.models, shm_dir, dtype, args.k) for dtype in DTYPES}
         rates: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.repeat):

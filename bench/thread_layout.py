@@ -33,11 +33,12 @@ def measure(models: Path, drafter_threads: int, repeat: int, prompts: int) -> di
     """Rows 4 and 7 in this process (its environment is the layout under test)."""
     sys.path.insert(0, str(REPO))
     import bench.compare as compare
+    from bench.pools import pool_folder
     from target_service.engine import build_engine_core
 
     _, held_out = compare.load_held_out(models, prompts)
     requests = compare.requests_for(held_out, 1)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=pool_folder()) as tmp:
         token = secrets.token_hex(16)
         target_only = build_engine_core(compare.engine_config(models, tmp, 8))
         target_only.warmup()

@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from splitspec.cli_args import DEFAULT_SHM_DIR
+
 Order = Literal["NHD", "HND"]
 ORDERS: tuple[Order, ...] = ("NHD", "HND")
 
@@ -288,7 +290,7 @@ class CacheConfig:
     memory_bytes: int | None = None  # KV budget; None means memory_fraction of what is free
     memory_fraction: float = 0.5
     num_pages: int | None = None  # overrides the budget when set
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = DEFAULT_SHM_DIR
     # init=True on purpose: dataclasses.replace() passes it on, so copies share the cell.
     layout_state: LayoutState = field(default_factory=LayoutState, repr=False, compare=False)
 

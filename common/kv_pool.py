@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from common.kv_layout import KV_DTYPES, KVLayout, LayerSpec
+from splitspec.cli_args import DEFAULT_SHM_DIR
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class PagePool:
         )
 
     @classmethod
-    def create(cls, layout: KVLayout, device: torch.device, shm_dir: str | Path = "/dev/shm") -> PagePool:
+    def create(cls, layout: KVLayout, device: torch.device, shm_dir: str | Path = DEFAULT_SHM_DIR) -> PagePool:
         if device.type == "cpu":
             path = Path(shm_dir) / shm_file_name(layout.target_id, layout.epoch)
             storage, lock_fd = _create_shm_storage(path, layout.total_bytes)

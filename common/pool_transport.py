@@ -40,6 +40,7 @@ import torch
 from common.kv_layout import KVLayout
 from common.kv_pool import PagePool
 from common.shm_file import map_pool_file
+from splitspec.cli_args import DEFAULT_SHM_DIR
 from splitspec.v1 import drafter_pb2 as dpb
 
 log = logging.getLogger(__name__)
@@ -227,7 +228,7 @@ def refuse_expandable_segment(handle: bytes) -> None:
 # The drafter's side: map
 
 
-def map_pool(layout: KVLayout, handle: dpb.PoolHandle, shm_dir: str | Path = "/dev/shm",
+def map_pool(layout: KVLayout, handle: dpb.PoolHandle, shm_dir: str | Path = DEFAULT_SHM_DIR,
              canary: Canary | None = None) -> PagePool:
     """The drafter's side: map the target's storage described by `handle`.
 

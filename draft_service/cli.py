@@ -10,7 +10,7 @@ from common.cli import add_metrics_args, add_threads_arg, run_service
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES
 from draft_service.drafters import KINDS, DrafterConfig
-from splitspec.cli_args import HelpFormatter, add_log_level, parse_bytes, positive_int
+from splitspec.cli_args import DEFAULT_SHM_DIR, HelpFormatter, add_log_level, parse_bytes, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DrafterConfig.compile,
                        help="the model drafter's steps (DFlash, draft model) through the compiled forward (common/compiled_forward.py)")
 
-    model.add_argument("--shm-dir", default="/dev/shm",
+    model.add_argument("--shm-dir", default=DEFAULT_SHM_DIR,
                        help="the target's --shm-dir: the only folder the drafter maps a CPU pool file from")
     model.add_argument("--attention-backend", default="auto", choices=BACKEND_CHOICES,
                        help="attention kernels (auto: native C on a CPU where they build, FlashInfer on CUDA "

@@ -18,6 +18,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PARENT_PID_ENV = "SPLITSPEC_PARENT_PID"  # set by `splitspec up` for the services it starts
 PR_SET_PDEATHSIG = 1
+# where a CPU KV pool's shared-memory file lives unless --shm-dir says otherwise: a tmpfs, so KV
+# writes never wait on a disk's writeback
+DEFAULT_SHM_DIR = "/dev/shm"
 
 
 def stop_with_parent() -> None:

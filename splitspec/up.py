@@ -39,7 +39,7 @@ from pathlib import Path
 import grpc
 
 import splitspec.contract as defaults
-from splitspec.cli_args import PARENT_PID_ENV
+from splitspec.cli_args import DEFAULT_SHM_DIR, PARENT_PID_ENV
 from splitspec.contract import TOKEN_ENV
 from splitspec.net import free_port
 
@@ -86,7 +86,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="KV page dtype (auto: float32 on CPU; or fp8)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=defaults.ENABLE_PREFIX_CACHING,
                    help="the target reuses the KV of cached prompt pages (--no-prefix-caching: every prompt computed)")
-    p.add_argument("--shm-dir", default="/dev/shm", help="where the shared KV pool file lives")
+    p.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help="where the shared KV pool file lives")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health and handshake")
     p.add_argument("--stop-timeout", type=float, default=20.0, help="seconds each service gets to stop on SIGTERM")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,

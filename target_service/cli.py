@@ -11,7 +11,14 @@ from common.cli import add_metrics_args, add_threads_arg, run_service
 from common.compiled_forward import CompileConfig
 from common.dtypes import DTYPE_CHOICES
 from common.kv_layout import CACHE_DTYPE_CHOICES, ORDERS, CacheConfig
-from splitspec.cli_args import HelpFormatter, add_log_level, fraction, parse_bytes, positive_int
+from splitspec.cli_args import (
+    DEFAULT_SHM_DIR,
+    HelpFormatter,
+    add_log_level,
+    fraction,
+    parse_bytes,
+    positive_int,
+)
 from target_service.config import PROPOSE_TRANSPORTS
 from target_service.draft_policy import SPECULATIVE_POLICIES
 
@@ -64,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=defaults.ENABLE_PREFIX_CACHING,
                        help="reuse the KV of full pages of prompts already computed (chained hashes, LRU eviction); "
                             "--no-prefix-caching computes every prompt from its first token")
-    cache.add_argument("--shm-dir", default="/dev/shm", help="where the CPU pool's shared-memory file lives")
+    cache.add_argument("--shm-dir", default=DEFAULT_SHM_DIR, help="where the CPU pool's shared-memory file lives")
 
     sched = p.add_argument_group("scheduling")
     sched.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in a running batch")

@@ -25,6 +25,7 @@ from draft_service.drafters.base import (
     Update,
     check_num_speculative_tokens,
 )
+from splitspec.cli_args import DEFAULT_SHM_DIR
 
 __all__ = [
     "KINDS", "DraftSequence", "Drafter", "DrafterConfig", "IncompatibleTargetError", "TargetInfo", "Update",
@@ -44,7 +45,7 @@ class DrafterConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     attention_backend: str = "auto"  # common.attention_backends.BACKEND_CHOICES
-    shm_dir: str = "/dev/shm"  # the only folder a CPU pool file is mapped from (the target's --shm-dir)
+    shm_dir: str = DEFAULT_SHM_DIR  # the only folder a CPU pool file is mapped from (the target's --shm-dir)
     compile: bool = False  # the model drafter's steps through common/compiled_forward.py
 
     def __post_init__(self) -> None:
