@@ -149,20 +149,21 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None 
     kernel without a product-by-product race, which times a call with the Python around it, not
     the forward's cost, and on a busy machine once handed a layer to oneDNN and with it the
     whole step back to torch (4x slower)."""
-    dtypes = packable_dtypes()
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes]
-    if not linears:
-        return 0
-    if not _ops_available():
-        log.info("CPU linears: this torch build has no oneDNN linear ops; using torch's default")
-        return 0
-    probes = {child.weight.dtype: child for _, _, child in linears}
+               if isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+               and child.weight.dtype in (torch.float32, torch.bfloat16)]
+    # bfloat16 reaches the tiled kernel on any CPU it runs on (AVX2 included), but oneDNN's packed
+    # product only where the CPU multiplies bfloat16 natively
+    packable = set(packable_dtypes()) if _ops_available() else set()
+    if linears and not _ops_available():
+        log.info("CPU linears: this torch build has no oneDNN linear ops; only tile-packed bfloat16 leaves torch's "
+                 "default")
+    probes = {child.weight.dtype: child for _, _, child in linears if child.weight.dtype in packable}
     refused = {dtype for dtype, child in probes.items() if not _agrees_with_f_linear(PackedLinear(child))}
     if refused:
         log.warning("CPU linears: oneDNN's packed product disagreed with F.linear on a probe (%s); "
                     "using torch's default", ", ".join(sorted(map(str, refused))))
-        linears = [item for item in linears if item[2].weight.dtype not in refused]
+        packable -= refused
     tile_choices = choose_tile_kernels([child for _, _, child in linears], log, timer, whole_forward_on_tiles)
     packed, tiled = [], 0
     for parent, name, child in linears:
@@ -170,7 +171,7 @@ def pack_cpu_linears(model: nn.Module, log: logging.Logger, timer: Timer | None 
         if choice is not None and choice.kernel == "tiles":
             setattr(parent, name, TiledLinear(child))
             tiled += 1
-        else:
+        elif child.weight.dtype in packable:
             packed.append(PackedLinear(child))
             setattr(parent, name, packed[-1])
     _build_every_shape(packed)
@@ -203,21 +204,22 @@ class TileChoice:
     in_features: int
     out_features: int
     tiled_us: dict[int, float] = field(default_factory=dict)
-    packed_us: dict[int, float] = field(default_factory=dict)
+    packed_us: dict[int, float] = field(default_factory=dict)  # the other kernel's (`other`)
     chosen: str | None = None  # set without timing (`choose_tile_kernels(untimed=True)`)
+    other: str = "packed"  # what the tiles race: oneDNN's packed product, or F.linear where bf16 does not pack
 
     @property
     def kernel(self) -> str:
         if self.chosen is not None:
             return self.chosen
-        return "tiles" if sum(self.tiled_us.values()) < sum(self.packed_us.values()) else "packed"
+        return "tiles" if sum(self.tiled_us.values()) < sum(self.packed_us.values()) else self.other
 
     def describe(self) -> str:
         rows = "/".join(map(str, self.tiled_us))
         tiled = "/".join(f"{us:.1f}" for us in self.tiled_us.values())
-        packed = "/".join(f"{us:.1f}" for us in self.packed_us.values())
-        return (f"{self.in_features}->{self.out_features}: tiles {tiled} µs, oneDNN packed {packed} µs at {rows} rows: "
-                f"{self.kernel}")
+        other = "/".join(f"{us:.1f}" for us in self.packed_us.values())
+        label = "oneDNN packed" if self.other == "packed" else self.other
+        return f"{self.in_features}->{self.out_features}: tiles {tiled} µs, {label} {other} µs at {rows} rows: {self.kernel}"
 
 
 def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger, timer: Timer | None = None,
@@ -253,16 +255,19 @@ def choose_tile_kernels(linears: list[nn.Linear], log: logging.Logger, timer: Ti
 
 
 def measure_tiles(layer: nn.Linear, timer: Timer | None = None) -> TileChoice:
-    tiled, packed = TiledLinear(layer), PackedLinear(layer)
-    choice = TileChoice(layer.in_features, layer.out_features)
+    """The tiled product timed against oneDNN's packed one, or against `F.linear` where this CPU
+    does not multiply bfloat16 natively (oneDNN does not pack it there)."""
+    packs = _ops_available() and layer.weight.dtype in packable_dtypes()
+    tiled, other = TiledLinear(layer), (PackedLinear(layer) if packs else layer)
+    choice = TileChoice(layer.in_features, layer.out_features, other="packed" if packs else "F.linear")
     x = torch.randn(max(TILE_ROWS), layer.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with torch.inference_mode():
         for rows in TILE_ROWS:
             flat = x[:rows]
-            calls = {"tiles": lambda: tiled(flat), "packed": lambda: packed(flat)}
+            calls = {"tiles": lambda: tiled(flat), choice.other: lambda: other(flat)}
             seconds = time_pair(calls) if timer is None else {name: timer(name, rows, call)
                                                                for name, call in calls.items()}
-            choice.tiled_us[rows], choice.packed_us[rows] = 1e6 * seconds["tiles"], 1e6 * seconds["packed"]
+            choice.tiled_us[rows], choice.packed_us[rows] = 1e6 * seconds["tiles"], 1e6 * seconds[choice.other]
     return choice
 
 
