@@ -36,7 +36,8 @@ from common.native_build import NativeKernelUnavailable, load_library
 TILE_K, TILE_N = 32, 16  # inputs per tile row pair block, outputs per tile
 STATUS = {1: "this CPU runs none of the kernels (AMX-BF16 tiles granted by the kernel, AVX512-BF16, AVX2 "
               "with FMA)",
-          2: "a shape that does not fit whole tiles"}
+          2: "a shape that does not fit whole tiles",
+          3: "out of memory for the product's widened inputs"}
 KERNEL_AMX, KERNEL_DPBF16, KERNEL_FMA256 = 1, 2, 4  # amx_linear.c: splitspec_bf16_kernels' bits, a call's `kernel`
 KERNEL_NAMES = {KERNEL_AMX: "AMX", KERNEL_DPBF16: "AVX512-BF16", KERNEL_FMA256: "AVX2-FMA"}
 PREFERENCE = (KERNEL_AMX, KERNEL_DPBF16, KERNEL_FMA256)  # the default: the first that runs here

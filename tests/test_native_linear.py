@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from common.cpu_linear import PackedLinear, TileChoice, pack_cpu_linears
+from common import cpu_linear
+from common.cpu_linear import PackedLinear, TileChoice, native_cpu_bf16, pack_cpu_linears
 from common.native_linear import (
     KERNEL_AMX,
     KERNEL_DPBF16,
@@ -164,16 +165,26 @@ def _pack_with_timings(model: nn.Module, tiles_faster: bool) -> None:
 
 
 @needs_tiles
+@pytest.mark.parametrize("bf16_packs", [True, False], ids=["onednn-packs-bf16", "avx2-alone"])
 @pytest.mark.parametrize("tiles_faster", [True, False])
-def test_the_bfloat16_kernel_follows_the_measurement(tiles_faster, caplog):
+def test_the_bfloat16_kernel_follows_the_measurement(tiles_faster, bf16_packs, monkeypatch, caplog):
+    """Tiles race oneDNN's packed product where the CPU multiplies bfloat16 natively, and plain
+    `F.linear` where it does not (AVX2 alone: oneDNN does not pack bfloat16 there, and the tiles
+    once were never tried, which left a bfloat16 target on torch's emulated products)."""
+    if bf16_packs and not native_cpu_bf16():
+        pytest.skip("oneDNN packs bfloat16 only where the CPU multiplies it natively")
+    if not bf16_packs:  # on any CPU: what one with AVX2 alone chooses between
+        monkeypatch.setattr(cpu_linear, "packable_dtypes", lambda: (torch.float32,))
     model = nn.Sequential(_layer(96, 160), _layer(96, 160, seed=1), _layer(40, 48))
     with caplog.at_level(logging.INFO):
         _pack_with_timings(model, tiles_faster)
-    expected = TiledLinear if tiles_faster else PackedLinear
+    other, other_name = (PackedLinear, "packed") if bf16_packs else (nn.Linear, "F.linear")
+    expected = TiledLinear if tiles_faster else other
     assert type(model[0]) is expected and type(model[1]) is expected
-    assert type(model[2]) is PackedLinear  # 40 inputs fit no tile: never tiled
-    winner = "tiles" if tiles_faster else "packed"
+    assert type(model[2]) is other  # 40 inputs fit no tile: never tiled
+    winner = "tiles" if tiles_faster else other_name
     assert f"96->160: tiles {1.0 if tiles_faster else 2.0:.1f}/" in caplog.text and f"at 1/9/16 rows: {winner}" in caplog.text
+    assert ("oneDNN packed" in caplog.text) == bf16_packs
     assert "bfloat16 kernel measured per shape" in caplog.text
 
 
@@ -227,5 +238,6 @@ def test_a_forward_run_in_one_call_puts_every_fitting_product_on_tiles_untimed(c
 
     with caplog.at_level(logging.INFO):
         pack_cpu_linears(model, log, timer=onednn_faster, whole_forward_on_tiles=True)
-    assert type(model[0]) is TiledLinear and type(model[1]) is PackedLinear  # 40 inputs fit no tile
+    # 40 inputs fit no tile: oneDNN's where it packs bfloat16, else F.linear's
+    assert type(model[0]) is TiledLinear and type(model[1]) is (PackedLinear if native_cpu_bf16() else nn.Linear)
     assert "the forward runs in one native call" in caplog.text

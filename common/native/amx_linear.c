@@ -14,6 +14,7 @@
 // a choice that flipped between starts would change a deployment's outputs).
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -37,7 +38,7 @@
 #define HAVE_FMA256 0
 #endif
 
-enum { AMX_OK = 0, AMX_MISSING = 1, AMX_BAD_SHAPE = 2 };
+enum { AMX_OK = 0, AMX_MISSING = 1, AMX_BAD_SHAPE = 2, AMX_NO_MEMORY = 3 };
 // the products' kernels (bits of splitspec_bf16_kernels)
 enum { KERNEL_NONE = 0, KERNEL_AMX = 1, KERNEL_DPBF16 = 2, KERNEL_FMA256 = 4 };
 enum { TILE_ROWS = 16, TILE_K = 32, TILE_N = 16, N_PER_STEP = 2 };
@@ -226,41 +227,50 @@ static void dp_rows_against_blocks(const uint16_t *x_all, int64_t m, int64_t k, 
 #endif
 
 #if HAVE_FMA256
-enum { FMA_MAX_ROWS = 4 };  // rows x blocks x 2 halves <= 8 accumulators of the 16 ymm registers
+// Rows per pass over the weight: 2 accumulators a row (16 outputs), so 5 rows hold 10 of the 16
+// ymm registers, leaving room for the widened weight halves, the mask and the broadcast input
+// (6 rows spilled accumulators to the stack and ran 9-20% slower at 16 rows on an AMD EPYC, Zen 3).
+enum { FMA_MAX_ROWS = 5 };
 
-static inline float bf16_bits_to_float(uint32_t high) {  // `high`: the bfloat16 in the upper 16 bits
-    float value;
-    memcpy(&value, &high, sizeof value);
-    return value;
-}
-
-// `rows` rows × `blocks` 16-output blocks over all of k in float32 FMAs: for each input pair, each
-// block's 64-byte weight row is widened into its even and odd inputs' 16 floats, then for each row
-// acc += x_even · w_even, then acc += x_odd · w_odd, in that order whatever ROWS and BLOCKS are (a
-// row's bits do not depend on its neighbours).
-static inline __attribute__((always_inline)) void fma_tile(const uint16_t *x, int64_t k, const uint16_t *w,
+// `rows` rows × `blocks` 16-output blocks over all of k in float32 FMAs. `xf` holds the rows'
+// inputs already widened to float32 (k apart), so an input is one broadcast load. For each input
+// pair, each block's 64-byte weight row is widened into its even inputs' 16 floats and every row
+// gets acc += x_even · w_even; then the same for the odd inputs. Every accumulator thus sees
+// x_even then x_odd for each pair in turn, whatever ROWS and BLOCKS are (a row's bits do not
+// depend on its neighbours), and as many chains as rows × blocks × 2 run side by side: with 4-cycle
+// FMAs that is what keeps both FMA pipes busy (8 chains of 2 dependent FMAs a pair, the old
+// kernel's, left them no slack).
+static inline __attribute__((always_inline)) void fma_tile(const float *xf, int64_t k, const uint16_t *w,
                                                            int64_t block_elems, void *y, int64_t n, int64_t column,
                                                            const int ROWS, const int BLOCKS, int out_f32) {
-    __m256 acc[8];
+    __m256 acc[2 * FMA_MAX_ROWS];  // ROWS x BLOCKS <= FMA_MAX_ROWS
+#pragma GCC unroll 16
     for (int a = 0; a < 2 * ROWS * BLOCKS; a++) acc[a] = _mm256_setzero_ps();
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     const int64_t pairs = k / 2;
     for (int64_t p = 0; p < pairs; p++) {
+#pragma GCC unroll 8
         for (int j = 0; j < BLOCKS; j++) {
-            const uint16_t *row = w + j * block_elems + 32 * p;  // 16 outputs x (even, odd)
-            const __m256i lo = _mm256_loadu_si256((const __m256i *)row), hi = _mm256_loadu_si256((const __m256i *)(row + 16));
-            const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-            const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
-            const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
-            const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+            // 16 outputs x (even, odd), read once for each half: a widening instruction takes its
+            // operand from memory, so no register holds the raw row (they are all the accumulators')
+            const __m256i *row = (const __m256i *)(w + j * block_elems + 32 * p);
+            const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(row), 16));
+            const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(row + 1), 16));
+#pragma GCC unroll 8
             for (int r = 0; r < ROWS; r++) {
-                uint32_t pair;
-                memcpy(&pair, x + r * k + 2 * p, sizeof pair);
-                const __m256 x_even = _mm256_set1_ps(bf16_bits_to_float(pair << 16));
-                const __m256 x_odd = _mm256_set1_ps(bf16_bits_to_float(pair & 0xffff0000u));
+                const __m256 x_even = _mm256_broadcast_ss(xf + r * k + 2 * p);
                 __m256 *a = acc + 2 * (r * BLOCKS + j);
-                a[0] = _mm256_fmadd_ps(x_odd, odd_lo, _mm256_fmadd_ps(x_even, even_lo, a[0]));
-                a[1] = _mm256_fmadd_ps(x_odd, odd_hi, _mm256_fmadd_ps(x_even, even_hi, a[1]));
+                a[0] = _mm256_fmadd_ps(x_even, even_lo, a[0]);
+                a[1] = _mm256_fmadd_ps(x_even, even_hi, a[1]);
+            }
+            const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(row), high));
+            const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(row + 1), high));
+#pragma GCC unroll 8
+            for (int r = 0; r < ROWS; r++) {
+                const __m256 x_odd = _mm256_broadcast_ss(xf + r * k + 2 * p + 1);
+                __m256 *a = acc + 2 * (r * BLOCKS + j);
+                a[0] = _mm256_fmadd_ps(x_odd, odd_lo, a[0]);
+                a[1] = _mm256_fmadd_ps(x_odd, odd_hi, a[1]);
             }
         }
     }
@@ -279,31 +289,57 @@ static inline __attribute__((always_inline)) void fma_tile(const uint16_t *x, in
     }
 }
 
-static inline __attribute__((always_inline)) void fma_rows(const uint16_t *x, int64_t k, const uint16_t *packed,
+// One row group against blocks [first, last): as many blocks a pass as registers allow (a decode's
+// one row takes 5, so 10 chains run side by side as in a 5-row pass).
+static inline __attribute__((always_inline)) void fma_rows(const float *xf, int64_t k, const uint16_t *packed,
                                                            int64_t first, int64_t last, void *y, int64_t n,
-                                                           const int ROWS, const int wide, int out_f32) {
+                                                           const int ROWS, const int WIDE, int out_f32) {
     const int64_t block_elems = (int64_t)TILE_N * k;
     int64_t nb = first;
-    for (; wide >= 4 && nb + 4 <= last; nb += 4)
-        fma_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 4, out_f32);
-    for (; wide >= 2 && nb + 2 <= last; nb += 2)
-        fma_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 2, out_f32);
-    for (; nb < last; nb++) fma_tile(x, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 1, out_f32);
+    for (; WIDE >= 5 && nb + 5 <= last; nb += 5)
+        fma_tile(xf, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 5, out_f32);
+    for (; WIDE >= 4 && nb + 4 <= last; nb += 4)
+        fma_tile(xf, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 4, out_f32);
+    for (; WIDE >= 2 && nb + 2 <= last; nb += 2)
+        fma_tile(xf, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 2, out_f32);
+    for (; nb < last; nb++) fma_tile(xf, k, packed + nb * block_elems, block_elems, y, n, nb * TILE_N, ROWS, 1, out_f32);
 }
 
 #define FMA_CASE(R, WIDE) \
-    case R: fma_rows(x, k, packed, first, last, y, n, R, WIDE, out_f32); break;
+    case R: fma_rows(xf, k, packed, first, last, y, n, R, WIDE, out_f32); break;
 
-static void fma_rows_against_blocks(const uint16_t *x_all, int64_t m, int64_t k, const uint16_t *packed,
+// bfloat16 → float32 is exact (the bits shifted up), so widening the inputs once changes no product.
+static inline void widen_rows(const uint16_t *x, int64_t count, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i)));
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+    for (; i < count; i++) {
+        const uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(out + i, &bits, sizeof bits);
+    }
+}
+
+// Row groups of FMA_MAX_ROWS, split so that no group is much shorter than the others (9 rows: 5 + 4,
+// 11: 4 + 4 + 3, not 5 + 5 + 1: a short group re-reads the whole weight for few rows).
+static int fma_group_rows(int64_t remaining) {
+    const int64_t groups = (remaining + FMA_MAX_ROWS - 1) / FMA_MAX_ROWS;
+    return (int)((remaining + groups - 1) / groups);
+}
+
+// `xf_all`: the m rows of x widened to float32 (widen_rows).
+static void fma_rows_against_blocks(const float *xf_all, int64_t m, int64_t k, const uint16_t *packed,
                                     int64_t first, int64_t last, void *y_any, int64_t n, int out_f32) {
-    for (int64_t r0 = 0; r0 < m; r0 += FMA_MAX_ROWS) {
-        const int rows = (int)(m - r0 < FMA_MAX_ROWS ? m - r0 : FMA_MAX_ROWS);
+    for (int64_t r0 = 0; r0 < m;) {
+        const int rows = fma_group_rows(m - r0);
         void *y = out_f32 ? (void *)((float *)y_any + r0 * n) : (void *)((uint16_t *)y_any + r0 * n);
-        const uint16_t *x = x_all + r0 * k;
+        const float *xf = xf_all + r0 * k;
         switch (rows) {
-            FMA_CASE(1, 4) FMA_CASE(2, 2) FMA_CASE(3, 1) FMA_CASE(4, 1)
+            FMA_CASE(1, 5) FMA_CASE(2, 2) FMA_CASE(3, 1) FMA_CASE(4, 1) FMA_CASE(5, 1)
             default: break;
         }
+        r0 += rows;
     }
 }
 #endif
@@ -320,6 +356,15 @@ int splitspec_tiled_linear(const uint16_t *x, int64_t m, int64_t k, const uint16
     const int64_t n_blocks = n / TILE_N, pairs = (n_blocks + 1) / 2;
     int threads = max_threads > 0 ? max_threads : 1;
     if (threads > pairs) threads = (int)pairs;
+    // the FMA kernel reads x widened to float32, once for every thread (a decode's row: on the stack)
+    float xf_stack[2048], *xf = NULL;
+#if HAVE_FMA256
+    if (kernel == KERNEL_FMA256) {
+        xf = m * k <= 2048 ? xf_stack : malloc(sizeof(float) * (size_t)(m * k));
+        if (xf == NULL) return AMX_NO_MEMORY;
+        widen_rows(x, m * k, xf);
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         const int team = omp_get_num_threads(), me = omp_get_thread_num();
@@ -345,9 +390,11 @@ int splitspec_tiled_linear(const uint16_t *x, int64_t m, int64_t k, const uint16
 #endif
 #if HAVE_FMA256
         if (kernel == KERNEL_FMA256 && first < last)
-            fma_rows_against_blocks(x, m, k, packed, first, last, y, n, out_f32);
+            fma_rows_against_blocks(xf, m, k, packed, first, last, y, n, out_f32);
 #endif
         (void)kernel, (void)first, (void)last;
     }
+    if (xf != NULL && xf != xf_stack) free(xf);
+    (void)xf_stack;
     return AMX_OK;
 }

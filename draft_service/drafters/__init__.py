@@ -86,15 +86,15 @@ def resolve_kind(kind: str, model: str | None) -> str:
 
 
 def cpu_drafter_dtype() -> torch.dtype:
-    """`--dtype auto` for a model drafter on a CPU: bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16, AMX), else float32. The drafts only propose: the target's verify decides
-    every token, so the output is the same either way, and bfloat16 is the cheaper
-    (figures: docs/performance.md#the-adaptive-policys-rules). (The target's own rule, which also
-    covers CPUs with AVX2 alone through the tile-packed FMA kernel, is `common/dtypes.py`'s; a
-    drafter there stays float32, unmeasured on such a CPU.)"""
+    """`--dtype auto` for a drafter on a CPU: bfloat16 where its products run tile-packed (AMX,
+    AVX512-BF16, or AVX2 through the FMA kernel) or oneDNN multiplies it natively, else float32.
+    The drafts only propose: the target's verify decides every token, so the output is the same
+    either way, and bfloat16 is the cheaper (figures: docs/performance.md#the-adaptive-policys-rules;
+    on an AMD EPYC with AVX2 alone, docs/performance.md#bfloat16-on-avx2-alone)."""
     from common.cpu_linear import native_cpu_bf16
+    from common.native_linear import tile_kernels_unavailable_reason
 
-    return torch.bfloat16 if native_cpu_bf16() else torch.float32
+    return torch.bfloat16 if native_cpu_bf16() or tile_kernels_unavailable_reason() is None else torch.float32
 
 
 def _model_config(kind: str, model: str):
