@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most draft tokens per step (default 8; DFlash: block_size - 1, also its cap)")
     model.add_argument("--device", default="cpu", help="torch device; must be the target's (cpu, cuda, cuda:1)")
     model.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                       help="compute dtype (auto: the checkpoint's on GPU; float32 on CPU, except DFlash on "
-                            "a CPU with native bf16 dot products: bfloat16)")
+                       help="compute dtype (auto: the checkpoint's on GPU; on a CPU bfloat16 where its products run "
+                            "natively: AMX, AVX512-BF16, or AVX2 with FMA on the tile kernel; else float32)")
     model.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPE_CHOICES,
                        help="required KV page dtype (auto: whatever the target's pool uses)")
     model.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram to match")

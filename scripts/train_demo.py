@@ -44,7 +44,8 @@ a new drafter recipe does not retrain a target that took an hour. A target whose
 no anneal while the recipe asks for one is annealed first (the target's last stage), and
 `--out` carries the annealed target.
 
-Stages: tokenizer → target (bf16 autocast, fp32 weights, torch.compile'd unless
+Stages: tokenizer → target (bf16 autocast where the CPU multiplies bfloat16 natively, else fp32:
+`--precision auto`, and a resumed run keeps its own; fp32 weights; torch.compile'd unless
 `--no-compile`) → the target's anneal (windows that begin at a whole function's `def`,
 docstrings dropped, mixed with corpus windows, at a low learning rate: what a prompt such
 as `def is_prime(n):` looks like) → greedy continuations of the target as served (its
@@ -87,6 +88,7 @@ from demo_training import (
     FULL,
     HELD_OUT,
     PACKAGES_STDLIB_SHARE,
+    PRECISIONS,
     SEED,
     SMOKE,
     Sizes,
@@ -626,10 +628,36 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
     return history
 
 
+def recorded_precision(work_root: Path) -> str | None:
+    """The precision a work folder's run was begun in (its run.json), or None for a new run."""
+    try:
+        return json.loads((work_root / "run.json").read_text())["sizes"]["precision"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_precision(name: str, work_root: Path, restart: bool) -> str:
+    """`--precision auto`: a run in progress keeps the precision it was begun in (a resume is
+    bitwise the uninterrupted run, whatever CPU it lands on); a new one takes bfloat16 autocast
+    where this CPU multiplies bfloat16 natively (AVX512-BF16, AMX) and float32 elsewhere, where
+    torch emulates bfloat16 (on an AMD EPYC with AVX2 alone a DFlash step took 7.0 s in bf16
+    autocast and 0.34 s in float32: bench/train_steps.py, docs/performance.md)."""
+    if name != "auto":
+        return name
+    from common.cpu_linear import native_cpu_bf16
+
+    recorded = None if restart else recorded_precision(work_root)
+    if recorded is not None:
+        return recorded
+    return "bf16" if native_cpu_bf16() else "fp32"
+
+
 def sizes_for(args: argparse.Namespace) -> Sizes:
     """The run's sizes: the full or smoke recipe with the command line's changes."""
     base = SMOKE if args.smoke else FULL
-    changes: dict = {"threads": args.threads}
+    work_root = args.work or args.out.with_name(args.out.name + ".partial")
+    changes: dict = {"threads": args.threads,
+                     "precision": resolve_precision(args.precision, work_root, args.restart)}
     if args.corpus is not None and args.corpus != base.corpus:
         changes |= {"corpus": args.corpus,
                     "stdlib_share": 1.0 if args.corpus == "stdlib" else PACKAGES_STDLIB_SHARE}
@@ -645,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="work folder with the checkpoints of the run (default: OUT.partial)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps (CI, seconds)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
+                        help="training steps' precision (auto: a run in progress keeps its own; a new run bf16 "
+                             "autocast where the CPU has native bfloat16, AVX512-BF16 or AMX, else fp32)")
     parser.add_argument("--corpus", choices=CORPORA, default=None,
                         help="the LMs' training text (default: the sizes' own, %s for the full run)" % FULL.corpus)
     parser.add_argument("--checkpoint-minutes", type=float, default=5.0,

@@ -279,18 +279,43 @@ def test_target_from_refuses_another_shape_or_an_incomplete_folder(smoke_dir, tm
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
-def test_the_command_line_deepens_only_dflash_and_refuses_a_drafter_without_layers():
+def _command_line(tmp_path: Path, **changes) -> argparse.Namespace:
+    """train_demo.py's parsed arguments: the full recipe's defaults, bf16 named, `changes` on top."""
+    defaults = dict(smoke=False, threads=2, corpus=None, dflash_layers=None, precision="bf16",
+                    out=tmp_path / "demo", work=None, restart=False)
+    return argparse.Namespace(**(defaults | changes))
+
+
+def test_the_command_line_deepens_only_dflash_and_refuses_a_drafter_without_layers(tmp_path):
     """`--dflash-layers` (to measure whether a third layer pays, with --target-from) changes that one
     size of the recipe; a drafter of no layers is refused before anything trains."""
-    full = argparse.Namespace(smoke=False, threads=2, corpus=None, dflash_layers=3)
-    sizes = train_demo.sizes_for(full)
+    sizes = train_demo.sizes_for(_command_line(tmp_path, dflash_layers=3))
     assert sizes.dflash_layers == 3
     assert dataclasses.replace(sizes, dflash_layers=demo_training.FULL.dflash_layers) == \
         dataclasses.replace(demo_training.FULL, threads=2)
-    assert train_demo.sizes_for(argparse.Namespace(smoke=True, threads=1, corpus=None, dflash_layers=None)) == \
+    assert train_demo.sizes_for(_command_line(tmp_path, smoke=True, threads=1)) == \
         dataclasses.replace(demo_training.SMOKE, threads=1)
     with pytest.raises(ValueError, match="dflash_layers 0"):
-        train_demo.sizes_for(argparse.Namespace(smoke=True, threads=1, corpus=None, dflash_layers=0))
+        train_demo.sizes_for(_command_line(tmp_path, smoke=True, threads=1, dflash_layers=0))
+
+
+def test_precision_auto_follows_the_cpu_for_a_new_run_and_the_run_for_a_resume(tmp_path, monkeypatch):
+    """bf16 autocast only where the CPU multiplies bfloat16 natively (elsewhere torch emulates it,
+    ~20x slower a DFlash step on an AVX2-only EPYC); a work folder keeps the precision it was begun
+    in whatever CPU resumes it, unless --restart starts it over."""
+    from common import cpu_linear
+
+    work = tmp_path / "work"
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(cpu_linear, "native_cpu_bf16", lambda native=native: native)
+        assert train_demo.sizes_for(_command_line(tmp_path, precision="auto", work=work)).precision == expected
+        assert train_demo.sizes_for(_command_line(tmp_path, precision="fp32", work=work)).precision == "fp32"
+    work.mkdir()
+    (work / "run.json").write_text(json.dumps({"sizes": {"precision": "bf16"}}))  # begun on a CPU with bf16
+    assert train_demo.sizes_for(_command_line(tmp_path, precision="auto", work=work)).precision == "bf16"
+    assert train_demo.sizes_for(_command_line(tmp_path, precision="auto", work=work, restart=True)).precision == "fp32"
+    (work / "run.json").write_text("{not json")
+    assert train_demo.sizes_for(_command_line(tmp_path, precision="auto", work=work)).precision == "fp32"
 
 
 def test_checkpoint_write_cut_short_leaves_the_last_one(tmp_path):
