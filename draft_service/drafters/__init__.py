@@ -90,7 +90,7 @@ def cpu_drafter_dtype() -> torch.dtype:
     AVX512-BF16, or AVX2 through the FMA kernel) or oneDNN multiplies it natively, else float32.
     The drafts only propose: the target's verify decides every token, so the output is the same
     either way, and bfloat16 is the cheaper (figures: docs/performance.md#the-adaptive-policys-rules;
-    on an AMD EPYC with AVX2 alone, docs/performance.md#bfloat16-on-avx2-alone)."""
+    on an AMD EPYC with AVX2 alone, docs/performance.md#bfloat16-on-a-cpu-with-avx2-alone)."""
     from common.cpu_linear import native_cpu_bf16
     from common.native_linear import tile_kernels_unavailable_reason
 
