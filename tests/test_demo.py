@@ -281,8 +281,8 @@ def test_target_from_refuses_another_shape_or_an_incomplete_folder(smoke_dir, tm
 
 def _command_line(tmp_path: Path, **changes) -> argparse.Namespace:
     """train_demo.py's parsed arguments: the full recipe's defaults, bf16 named, `changes` on top."""
-    defaults = dict(smoke=False, threads=2, corpus=None, dflash_layers=None, precision="bf16",
-                    out=tmp_path / "demo", work=None, restart=False)
+    defaults = {"smoke": False, "threads": 2, "corpus": None, "dflash_layers": None, "precision": "bf16",
+                "out": tmp_path / "demo", "work": None, "restart": False}
     return argparse.Namespace(**(defaults | changes))
 
 
