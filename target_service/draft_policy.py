@@ -379,6 +379,16 @@ class DraftPolicy:
         self._ages_owed += 1
         return True
 
+    def steps_until_probe(self) -> int:
+        """Decisions before the next probe comes due (0: due at the next one)."""
+        return max(0, (self._probe_gap or self.probe_every) - self._since_probe - 1)
+
+    def pass_step_without_decision(self) -> None:
+        """A step with no sequence to decide for (none followed, as while no drafts pay), which counts
+        toward the next probe and ages acceptance as a kept k = 0 decision does."""
+        self._since_probe += 1
+        self._ages_owed += 1
+
     def decide(self, num_seqs: int, base_tokens: int, max_k: int, catch_up_rows: float = 0.0,
                batch_seqs: int | None = None, batch: object = None) -> Decision:
         """k for this step's `num_seqs` decoding sequences that may draft; `base_tokens`: the step's

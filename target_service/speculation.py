@@ -201,6 +201,9 @@ class Speculator:
     # Per sequence, the context tokens computed since it last drafted, outside its drafting steps
     # (a prompt, steps without drafts): the drafter catches up on them when it next drafts
     _behind: dict[int, int] = field(default_factory=dict)
+    # seq id → whether a sequence in its first forward since admission starts being followed
+    # (`_follows_from_admission`), decided once for that forward's capture and its record
+    _admitted: dict[int, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -221,6 +224,7 @@ class Speculator:
         self._staged.clear()
         self._behind.clear()
         self._followed.clear()
+        self._admitted.clear()
 
     def follows(self, seq: Sequence) -> bool:
         return self.link.ready and seq.drafter_epoch == self.epoch
@@ -249,8 +253,22 @@ class Speculator:
             return False
         epoch = self.epoch
         return any(not s.seq.request.speculation.disable
-                   and (s.seq.drafter_epoch == epoch or s.seq.num_computed_tokens == s.seq.num_started_tokens)
+                   and (s.seq.drafter_epoch == epoch or (s.seq.num_computed_tokens == s.seq.num_started_tokens
+                                                         and self._follows_from_admission(s.seq)))
                    for s in scheduled)
+
+    def _follows_from_admission(self, seq: Sequence) -> bool:
+        """Whether a sequence in its first forward since admission starts being followed: always
+        while drafts pay; while none do (`DraftPolicy.idle`), only if the next probe comes due before
+        it can end. Following costs every step (its hidden states captured and queued, its updates
+        recorded), and a sequence no probe reaches is never drafted for; the policy's clock runs on
+        without it (`lookahead`), so a later sequence is followed for the probe."""
+        decision = self._admitted.get(seq.seq_id)
+        if decision is None:
+            tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
+            decision = not self.policy.idle or self.policy.steps_until_probe() < tokens_left
+            self._admitted[seq.seq_id] = decision
+        return decision
 
     def needs_hidden_states(self, seq: Sequence) -> bool:
         """Whether the drafter, to follow `seq`, needs the target's hidden states of every token
@@ -314,6 +332,9 @@ class Speculator:
                 tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
                 catch_up_rows += self.policy.amortized_rows(self._behind.get(seq.seq_id, 0), tokens_left)
         if not limits:
+            if self.policy.idle:  # nobody to decide for: the step still counts toward the next probe
+                self.policy.pass_step_without_decision()
+                self._count_decision(Decision(0), metrics)
             return {}
         decision = self._decide(running, limits, catch_up_rows, batch, metrics)
         drafts = {seq_id: min(limit, decision.k) for seq_id, limit in limits.items()}
@@ -549,6 +570,11 @@ class Speculator:
                 continue
             count = seq.num_computed_tokens - start
             if start == seq.num_started_tokens:  # its first forward since admission
+                follows = self._follows_from_admission(seq)  # as its capture was decided before the forward
+                self._admitted.pop(seq.seq_id, None)
+                if not follows:
+                    seq.drafter_epoch = None  # no probe reaches it while no drafts pay: never followed
+                    continue
                 update = self._first_update(seq, start, count, row)
                 if update is None:
                     continue
@@ -583,6 +609,7 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         self._followed.pop(seq.seq_id, None)
+        self._admitted.pop(seq.seq_id, None)
         if self.follows(seq):
             self._released.append(seq.seq_id)
         self._pending.pop(seq.seq_id, None)

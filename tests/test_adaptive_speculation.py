@@ -514,3 +514,42 @@ def test_a_step_without_drafts_is_priced_only_when_no_propose_ran_in_it_or_the_s
     drafted = [index for index, n, width in priced if width > n]
     assert drafted and set(drafted) <= step["proposed"]  # every verify priced: it always follows its Propose
     core.close()
+
+
+class IdleProbeIn(IdlePolicy):
+    """Idle, with the next probe due a set number of decisions away."""
+
+    def __init__(self, max_k: int, script: list[int], probe_in: int) -> None:
+        super().__init__(max_k, script)
+        self.probe_in = probe_in
+
+    def steps_until_probe(self) -> int:
+        return self.probe_in
+
+
+def test_while_no_drafts_pay_a_sequence_no_probe_reaches_is_never_followed(speculative_engine, checkpoints_dflash,
+                                                                          tmp_path):
+    """Following a sequence costs every step (its hidden states captured into the staging rows, its
+    updates queued). While no drafts pay, a sequence admitted with the next probe further away than
+    it can run is never followed: no forward of it captures anything and the drafter never hears
+    of it. One admitted with a probe due within its life is followed from its first forward. The
+    output is the target's own either way."""
+    captured = {}
+    for probe_in in (10_000, 0):
+        shm_dir = tmp_path / f"shm-{probe_in}"
+        shm_dir.mkdir()
+        core, _, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 128, [0] * 500, defer=True,
+                                  idle=True)
+        core.speculator.policy = IdleProbeIn(REFERENCE_DFLASH_K, [0] * 500, probe_in)
+        reference = _generate(core, PROMPTS[0], speculate=False)[0]
+        reads = core.speculator.reads_hidden_states
+        steps = []
+        core.speculator.reads_hidden_states = lambda scheduled: steps.append(answer := reads(scheduled)) or answer
+        tokens = _generate(core, PROMPTS[0])[0]
+        assert tokens == reference
+        captured[probe_in] = sum(steps)
+        if probe_in:
+            assert not core.speculator._followed and not core.speculator._pending and not core.speculator._admitted
+            assert not core.link._stub.host.drafter.sequences
+        core.close()
+    assert captured[10_000] == 0 and captured[0] >= MAX_TOKENS - 1, captured

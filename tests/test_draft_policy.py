@@ -495,6 +495,21 @@ def test_idle_once_probes_find_no_drafts_pay_and_not_after_they_pay_again():
     assert not fixed.idle  # a fixed policy always drafts
 
 
+def test_steps_with_nobody_to_decide_for_bring_the_next_probe_nearer():
+    """While no drafts pay the engine follows no sequence the next probe cannot reach, so steps pass
+    without a decision; each counts toward the probe as a kept k = 0 decision does, so a probe still
+    comes due and a sequence admitted then is followed for it."""
+    policy = measured_policy(0.05 * DECODE, 0.001, probe_every=4)
+    run(policy, 200, accepted=0)
+    assert policy.decide(1, 1, K).k == 0 and policy.idle
+    left = policy.steps_until_probe()
+    assert left > 0
+    for _ in range(left):
+        policy.pass_step_without_decision()
+    assert policy.steps_until_probe() == 0 and policy.idle
+    assert policy.decide(1, 1, K).probe_k > 0  # the probe that came due
+
+
 def test_costly_probes_are_spaced_to_keep_within_the_probe_budget():
     """While no drafts pay, the gap between probes doubles up to `max_probe_every`, or further when a
     probe's Propose (its catch-up included) would otherwise cost more than `probe_budget` of the time."""
