@@ -534,7 +534,7 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
     sources, held = load_corpus(sizes.corpus, sizes.max_files)
     for source in sources:
         log(f"corpus: {source.name}: {len(source.files)} files, {source.megabytes:.2f} MB")
-    root = work_dir or out.with_name(out.name + ".partial")
+    root = work_dir or default_work_dir(out)
     identity = run_identity(sizes, sources, pretrained)
     work = WorkDir(root, identity if restart else tokenized_corpus_kept(root, identity), restart)
     sessions = record_session(work, sizes.threads)
@@ -628,6 +628,11 @@ def run(sizes: Sizes, out: Path, work_dir: Path | None = None, policy: Checkpoin
     return history
 
 
+def default_work_dir(out: Path) -> Path:
+    """Where a run keeps its checkpoints unless --work names a folder: `<out>.partial`."""
+    return out.with_name(out.name + ".partial")
+
+
 def recorded_precision(work_root: Path) -> str | None:
     """The precision a work folder's run was begun in (its run.json), or None for a new run."""
     try:
@@ -655,7 +660,7 @@ def resolve_precision(name: str, work_root: Path, restart: bool) -> str:
 def sizes_for(args: argparse.Namespace) -> Sizes:
     """The run's sizes: the full or smoke recipe with the command line's changes."""
     base = SMOKE if args.smoke else FULL
-    work_root = args.work or args.out.with_name(args.out.name + ".partial")
+    work_root = args.work or default_work_dir(args.out)
     changes: dict = {"threads": args.threads,
                      "precision": resolve_precision(args.precision, work_root, args.restart)}
     if args.corpus is not None and args.corpus != base.corpus:
