@@ -372,8 +372,8 @@ class DraftPolicy:
         grow), so deciding every step would cost the step's bookkeeping for the same answer."""
         if self._idle_left <= 0 or batch != self._idle_batch:
             return False
-        if self._since_probe + 1 >= (self._probe_gap or self.probe_every) and not self._probe_declined:
-            return False  # a probe is due: decide (unless the decision kept already found it would teach nothing)
+        if self._since_probe + 1 >= (self._probe_gap or self.probe_every):
+            return False  # a probe is due: decide
         self._idle_left -= 1
         self._since_probe += 1
         self._ages_owed += 1
@@ -431,16 +431,27 @@ class DraftPolicy:
         probe_k = self._best_k(forward, self.acceptance.optimistic(), num_seqs, base_tokens, max_k, catch_up)
         if probe_k <= k:
             if not (0 < k < max_k and forward.weight(base_tokens + num_seqs * k + 1) < forward.max_weight):
+                # Even the optimistic view asks no more: nothing a probe could teach. The next probe
+                # is a gap away, as after one asked: only the doubt that grows meanwhile can change
+                # this answer, and while the probe is due every step (it was) the engine follows
+                # every new sequence for it (Speculation._follows_from_admission), paying each step
+                # its capture and bookkeeping for a probe that is never asked.
                 self._probe_declined = True
-                return Decision(k)  # even the optimistic view asks no more: nothing a probe could teach
+                self._start_probe_gap(forward, base_tokens, k)
+                return Decision(k)
             # Acceptance has nothing to teach, but one draft more would measure a width the cost
             # table barely knows (it leans on its neighbours until measured max_weight times).
             probe_k = k + 1
+        self._start_probe_gap(forward, base_tokens, k)
+        return Decision(k, probe_k)
+
+    def _start_probe_gap(self, forward: CostTable, base_tokens: int, k: int) -> None:
+        """A probe was asked or declined: the next is `probe_every` decisions away while drafts pay,
+        else twice the last gap (`_longest_probe_gap` at most)."""
         self._since_probe = 0
         gap = self._probe_gap or self.probe_every
         self._probe_gap = min(2 * gap, self._longest_probe_gap(forward.estimate(base_tokens))) if k == 0 \
             else self.probe_every
-        return Decision(k, probe_k)
 
     def _longest_probe_gap(self, step_seconds: float) -> int:
         """While no drafts pay, probes are spaced at most `max_probe_every` decisions apart, or as far

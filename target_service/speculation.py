@@ -42,6 +42,9 @@ MAX_DEFERRED_RELEASES = 256  # released sequence ids that may wait for the next 
 # AMD EPYC, docs/performance.md#the-adaptive-policys-rules). Priced as steps without drafts, they made
 # those look 20% dearer than they are to a policy that was drafting at a loss.
 COLD_STEPS = 2
+# While quiet (no drafts pay, nothing followed: `Speculator._quiet`), one step in this many is priced:
+# the cost table keeps each width's median of its last 9 samples, which moves no faster than that
+QUIET_PRICE_EVERY = 8
 
 
 @dataclass
@@ -260,13 +263,15 @@ class Speculator:
     def _follows_from_admission(self, seq: Sequence) -> bool:
         """Whether a sequence in its first forward since admission starts being followed: always
         while drafts pay; while none do (`DraftPolicy.idle`), only if the next probe comes due before
-        it can end. Following costs every step (its hidden states captured and queued, its updates
-        recorded), and a sequence no probe reaches is never drafted for; the policy's clock runs on
-        without it (`lookahead`), so a later sequence is followed for the probe."""
+        it can end, and no other sequence is followed for it (a probe asks one sequence). Following
+        costs every step (its hidden states captured and queued, its updates recorded), and a
+        sequence no probe reaches is never drafted for; the policy's clock runs on without it
+        (`lookahead`), so a later sequence is followed for the probe."""
         decision = self._admitted.get(seq.seq_id)
         if decision is None:
             tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
-            decision = not self.policy.idle or self.policy.steps_until_probe() < tokens_left
+            decision = not self.policy.idle or (self.policy.steps_until_probe() < tokens_left
+                                                and not self._followed and not any(self._admitted.values()))
             self._admitted[seq.seq_id] = decision
         return decision
 
@@ -316,6 +321,10 @@ class Speculator:
             return {}
         if not self.link.ready or self.link.facts is None:
             return {}
+        if self._quiet():  # nobody to decide for: the step still counts toward the next probe
+            self.policy.pass_step_without_decision()
+            metrics.num_drafts_chosen.record(0)
+            return {}
         batch = (len(running), sum(seq.num_uncomputed_tokens for seq in running))
         if self.policy.keeps_no_drafts(batch):
             self._count_decision(Decision(0), metrics)
@@ -332,9 +341,9 @@ class Speculator:
                 tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
                 catch_up_rows += self.policy.amortized_rows(self._behind.get(seq.seq_id, 0), tokens_left)
         if not limits:
-            if self.policy.idle:  # nobody to decide for: the step still counts toward the next probe
+            if self.policy.idle:  # as `_quiet`: nobody to decide for
                 self.policy.pass_step_without_decision()
-                self._count_decision(Decision(0), metrics)
+                metrics.num_drafts_chosen.record(0)
             return {}
         decision = self._decide(running, limits, catch_up_rows, batch, metrics)
         drafts = {seq_id: min(limit, decision.k) for seq_id, limit in limits.items()}
@@ -345,6 +354,15 @@ class Speculator:
             drafts[seq_id] = min(limits[seq_id], decision.probe_k)
             self._probing = True
         return {seq_id: k for seq_id, k in drafts.items() if k > 0}
+
+    def _quiet(self) -> bool:
+        """No drafts pay and the drafter follows no sequence: a step has nothing to ask, send or
+        record for it (only sequences in their first forward are decided, `_follows_from_admission`),
+        and the releases waiting for the next Propose may wait on (`_may_defer`). An idle split's
+        every step passes here, so this is the one check such a step pays, where the full path
+        cost 3-4% of a 2 ms step on a 2-core EPYC (docs/performance.md)."""
+        return (not self._followed and not self._pending and len(self._released) < MAX_DEFERRED_RELEASES
+                and self.policy.idle)
 
     def _probe_sequence(self, limits: dict[int, int]) -> int:
         """The sequence probed last while it still runs, else the next in turn: a drafter
@@ -368,11 +386,7 @@ class Speculator:
 
     @staticmethod
     def _count_decision(decision: Decision, metrics: TargetMetrics) -> None:
-        metrics.num_drafts_chosen.observe(decision.k)
-        if decision.probe_k:
-            metrics.policy_probes.inc()
-        elif decision.k == 0:
-            metrics.policy_zero_steps.inc()
+        metrics.num_drafts_chosen.record(decision.k, probe=bool(decision.probe_k))
 
     def propose(self, scheduled: list[ScheduledSeq], metrics: TargetMetrics) -> dict[int, list[int]]:
         """One batched Propose: pending updates, releases, and draft requests."""
@@ -439,6 +453,8 @@ class Speculator:
             self.release(seq)
         if plan.is_empty:
             return {}
+        if self._quiet():
+            return {}  # nothing asked (lookahead) and nothing owed: no Propose
         drafts = self.propose(plan.scheduled, metrics)
         if not self.link.ready:
             metrics.fallback_steps.inc()
@@ -450,15 +466,19 @@ class Speculator:
         scheduled = record.scheduled
         cold = self._steps_since_propose < COLD_STEPS  # a Propose ran in this step or the one before
         self._steps_since_propose += 1
-        if not record.prefilled and (record.drafts or not cold):
+        quiet = self._quiet()
+        if not record.prefilled and (record.drafts or not cold) and (not quiet or self._steps_since_propose
+                                                                     % QUIET_PRICE_EVERY == 0):
             # A prefill chunk's tokens cost less each (no logits, one sequence), and would make
             # wide verifies look cheap. A step without drafts is priced warm (`COLD_STEPS`): what it
             # costs cold is what drafting leaves behind, not what declining it costs.
             query_tokens = sum(s.num_query_tokens for s in scheduled) + sum(map(len, record.drafts.values()))
             self.policy.record_forward(len(scheduled), query_tokens, record.seconds)
-        if self.link.ready:
+        if not quiet and self.link.ready:  # quiet, nothing was asked
             self.record_acceptance(scheduled, record.accepted)
-        self.record_step(scheduled, record.drafts, record.computed_before, record.row_starts)
+        if not quiet or any(start == s.seq.num_started_tokens for s, start in zip(scheduled, record.computed_before)):
+            # quiet, only a sequence in its first forward since admission may start being followed
+            self.record_step(scheduled, record.drafts, record.computed_before, record.row_starts)
 
     def forget_measurements(self) -> None:
         """Warmup's first calls pay one-time costs: not a measure."""

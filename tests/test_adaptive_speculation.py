@@ -553,3 +553,38 @@ def test_while_no_drafts_pay_a_sequence_no_probe_reaches_is_never_followed(specu
             assert not core.link._stub.host.drafter.sequences
         core.close()
     assert captured[10_000] == 0 and captured[0] >= MAX_TOKENS - 1, captured
+
+
+def test_while_no_drafts_pay_one_sequence_is_followed_for_a_probe_and_quiet_steps_call_nothing(
+        speculative_engine, checkpoints_dflash, tmp_path):
+    """A probe asks one sequence, so while no drafts pay only one is followed for it, however many
+    are admitted (each followed one is captured and recorded every step). With none followed, a
+    step is quiet: no Propose, nothing captured, and still one k = 0 decision counted per step in
+    the metrics Prometheus reads. The output is the target's own."""
+    for probe_in in (0, 10_000):
+        shm_dir = tmp_path / f"shm-{probe_in}"
+        shm_dir.mkdir()
+        core, proposes, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 128, [0] * 500, defer=True,
+                                         idle=True)
+        core.speculator.policy = IdleProbeIn(REFERENCE_DFLASH_K, [0] * 500, probe_in)
+        references = [_generate(core, prompt, speculate=False)[0] for prompt in PROMPTS[:3]]
+        zero_before = _zero_steps(core) or 0.0
+        for i, prompt in enumerate(PROMPTS[:3]):
+            core.add(EngineRequest(f"together-{probe_in}-{i}", tuple(core.tokenizer.encode(prompt)),
+                                   stop=StopParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+        tokens: dict[str, list[int]] = {}
+        followed, steps = [], 0
+        while core.has_work():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            steps += 1
+            followed.append(len(core.speculator._followed))
+        assert [tokens[f"together-{probe_in}-{i}"] for i in range(3)] == references
+        if probe_in == 0:
+            assert max(followed) == 1  # the probe's one sequence
+        else:
+            assert max(followed) == 0 and proposes == []  # quiet: not one Propose
+            assert not core.link._stub.host.drafter.sequences
+            decode_steps = steps - 1  # the first step prefills the three prompts
+            assert _zero_steps(core) - zero_before >= decode_steps
+        core.close()

@@ -495,6 +495,22 @@ def test_idle_once_probes_find_no_drafts_pay_and_not_after_they_pay_again():
     assert not fixed.idle  # a fixed policy always drafts
 
 
+def test_a_declined_probe_waits_a_gap_as_an_asked_one_does():
+    """A probe due where even the optimistic view asks no drafts is declined; the next is a gap
+    away, as after one asked. Were it due every step after, the engine would follow every new
+    sequence for a probe never asked (`steps_until_probe` 0), paying its bookkeeping each step."""
+    policy = measured_policy(0.6 * DECODE, 0.02, probe_every=4)  # a verify far dearer than decodes
+    run(policy, 200, accepted=0)
+    assert policy.idle
+    due = policy.steps_until_probe()
+    assert due > 0
+    for _ in range(due):
+        assert policy.decide(1, 1, K) == Decision(0)
+    assert policy.steps_until_probe() == 0
+    assert policy.decide(1, 1, K) == Decision(0) and policy._probe_declined  # due, and declined
+    assert policy.steps_until_probe() >= due and policy.idle
+
+
 def test_steps_with_nobody_to_decide_for_bring_the_next_probe_nearer():
     """While no drafts pay the engine follows no sequence the next probe cannot reach, so steps pass
     without a decision; each counts toward the probe as a kept k = 0 decision does, so a probe still
@@ -526,7 +542,8 @@ def test_costly_probes_are_spaced_to_keep_within_the_probe_budget():
         probes = [i for i, d in enumerate(decisions) if d.probe_k]
         return [b - a for a, b in zip(probes, probes[1:])]
 
-    assert max(probe_gaps(0.0)[-10:]) <= 40  # a cheap probe: the configured cap (a probe declined at times)
+    cheap = probe_gaps(0.0)[-10:]  # a cheap probe: the configured cap, and a declined probe waits the cap too
+    assert 32 in cheap and all(gap % 32 == 0 for gap in cheap), cheap
     # a probe of 20 decode steps at a 1% budget: 2,000 decisions apart, reached by doubling
     longest = math.ceil(20 * DECODE / (0.01 * DECODE))
     gaps = probe_gaps(20 * DECODE)
