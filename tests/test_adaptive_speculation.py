@@ -527,6 +527,17 @@ class IdleProbeIn(IdlePolicy):
         return self.probe_in
 
 
+def _idle_dflash_core(speculative_engine, checkpoints_dflash, tmp_path, probe_in: int):
+    """A DFlash engine whose policy finds that no drafts pay, the next probe `probe_in` decisions away;
+    and the list its Proposes' answers are recorded in."""
+    shm_dir = tmp_path / f"shm-{probe_in}"
+    shm_dir.mkdir()
+    core, proposes, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 128, [0] * 500, defer=True,
+                                     idle=True)
+    core.speculator.policy = IdleProbeIn(REFERENCE_DFLASH_K, [0] * 500, probe_in)
+    return core, proposes
+
+
 def test_while_no_drafts_pay_a_sequence_no_probe_reaches_is_never_followed(speculative_engine, checkpoints_dflash,
                                                                           tmp_path):
     """Following a sequence costs every step (its hidden states captured into the staging rows, its
@@ -536,11 +547,7 @@ def test_while_no_drafts_pay_a_sequence_no_probe_reaches_is_never_followed(specu
     output is the target's own either way."""
     captured = {}
     for probe_in in (10_000, 0):
-        shm_dir = tmp_path / f"shm-{probe_in}"
-        shm_dir.mkdir()
-        core, _, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 128, [0] * 500, defer=True,
-                                  idle=True)
-        core.speculator.policy = IdleProbeIn(REFERENCE_DFLASH_K, [0] * 500, probe_in)
+        core, _ = _idle_dflash_core(speculative_engine, checkpoints_dflash, tmp_path, probe_in)
         reference = _generate(core, PROMPTS[0], speculate=False)[0]
         reads = core.speculator.reads_hidden_states
         steps = []
@@ -562,11 +569,7 @@ def test_while_no_drafts_pay_one_sequence_is_followed_for_a_probe_and_quiet_step
     step is quiet: no Propose, nothing captured, and still one k = 0 decision counted per step in
     the metrics Prometheus reads. The output is the target's own."""
     for probe_in in (0, 10_000):
-        shm_dir = tmp_path / f"shm-{probe_in}"
-        shm_dir.mkdir()
-        core, proposes, _ = _dflash_core(speculative_engine, checkpoints_dflash, shm_dir, 128, [0] * 500, defer=True,
-                                         idle=True)
-        core.speculator.policy = IdleProbeIn(REFERENCE_DFLASH_K, [0] * 500, probe_in)
+        core, proposes = _idle_dflash_core(speculative_engine, checkpoints_dflash, tmp_path, probe_in)
         references = [_generate(core, prompt, speculate=False)[0] for prompt in PROMPTS[:3]]
         zero_before = _zero_steps(core) or 0.0
         for i, prompt in enumerate(PROMPTS[:3]):
