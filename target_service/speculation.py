@@ -453,9 +453,8 @@ class Speculator:
             self.release(seq)
         if plan.is_empty:
             return {}
-        if self._quiet():
-            return {}  # nothing asked (lookahead) and nothing owed: no Propose
-        drafts = self.propose(plan.scheduled, metrics)
+        # quiet: nothing asked (lookahead) and nothing owed, so no Propose
+        drafts = {} if self._quiet() else self.propose(plan.scheduled, metrics)
         if not self.link.ready:
             metrics.fallback_steps.inc()
         return drafts

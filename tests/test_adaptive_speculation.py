@@ -591,3 +591,18 @@ def test_while_no_drafts_pay_one_sequence_is_followed_for_a_probe_and_quiet_step
             decode_steps = steps - 1  # the first step prefills the three prompts
             assert _zero_steps(core) - zero_before >= decode_steps
         core.close()
+
+
+def test_while_the_drafter_is_down_every_step_is_a_fallback_step_whatever_the_policy(
+        speculative_engine, checkpoints_dflash, tmp_path):
+    """A step served without a drafter counts in splitspec_spec_decode_fallback_steps, quiet or not:
+    a policy that finds no drafts pay must not hide an outage from the dashboards."""
+    core, proposes = _idle_dflash_core(speculative_engine, checkpoints_dflash, tmp_path, 10_000)
+    core.link.mark_failed("stopped for the test")
+    core.link._next_attempt = float("inf")  # no handshake again within the test
+    before = core.metrics.registry.get_sample_value("splitspec_spec_decode_fallback_steps_total")
+    tokens, chosen, _ = _generate(core, PROMPTS[0])
+    after = core.metrics.registry.get_sample_value("splitspec_spec_decode_fallback_steps_total")
+    assert not core.link.ready and proposes == []
+    assert after - before == len(chosen) >= MAX_TOKENS - 1
+    core.close()
