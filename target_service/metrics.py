@@ -98,9 +98,10 @@ class TargetMetrics:
         self.batch_disabled_steps = Counter(
             "splitspec_spec_decode_batch_disabled_steps",
             "Steps run without drafts because the batch reached --speculative-disable-by-batch-size.", registry=r)
-        # the policy decides every step: counted in plain integers, exported at scrape time
-        self.num_drafts_chosen = DraftDecisionCounts()
-        r.register(self.num_drafts_chosen)
+        # the policy decides every step: counted in plain integers, exported at scrape time as
+        # splitspec_spec_decode_num_drafts_chosen, _policy_zero_draft_steps and _policy_probes
+        self.draft_decisions = DraftDecisionCounts()
+        r.register(self.draft_decisions)
         self.invalid_drafts = Counter("splitspec_spec_decode_invalid_drafts",
                                       "Drafts discarded as invalid (unknown sequence, out-of-vocabulary ids, too long).",
                                       registry=r)
@@ -182,10 +183,8 @@ class DraftDecisionCounts(Collector):
 
     def collect(self):
         by_k = dict(self._by_k)  # a snapshot: the engine thread counts on meanwhile
-        buckets, below = [], 0
-        for bound in NUM_DRAFTS_BUCKETS:
-            below = sum(count for k, count in by_k.items() if k <= bound)
-            buckets.append((str(float(bound)), below))
+        buckets = [(str(float(bound)), sum(count for k, count in by_k.items() if k <= bound))
+                   for bound in NUM_DRAFTS_BUCKETS]  # cumulative, as Prometheus' `le`
         buckets.append(("+Inf", sum(by_k.values())))
         yield HistogramMetricFamily(
             self.HISTOGRAM,

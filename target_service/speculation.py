@@ -321,9 +321,8 @@ class Speculator:
             return {}
         if not self.link.ready or self.link.facts is None:
             return {}
-        if self._quiet():  # nobody to decide for: the step still counts toward the next probe
-            self.policy.pass_step_without_decision()
-            metrics.num_drafts_chosen.record(0)
+        if self._quiet():
+            self._pass_without_decision(metrics)
             return {}
         batch = (len(running), sum(seq.num_uncomputed_tokens for seq in running))
         if self.policy.keeps_no_drafts(batch):
@@ -341,9 +340,8 @@ class Speculator:
                 tokens_left = seq.request.stop.max_tokens - seq.num_output_tokens
                 catch_up_rows += self.policy.amortized_rows(self._behind.get(seq.seq_id, 0), tokens_left)
         if not limits:
-            if self.policy.idle:  # as `_quiet`: nobody to decide for
-                self.policy.pass_step_without_decision()
-                metrics.num_drafts_chosen.record(0)
+            if self.policy.idle:
+                self._pass_without_decision(metrics)
             return {}
         decision = self._decide(running, limits, catch_up_rows, batch, metrics)
         drafts = {seq_id: min(limit, decision.k) for seq_id, limit in limits.items()}
@@ -386,7 +384,13 @@ class Speculator:
 
     @staticmethod
     def _count_decision(decision: Decision, metrics: TargetMetrics) -> None:
-        metrics.num_drafts_chosen.record(decision.k, probe=bool(decision.probe_k))
+        metrics.draft_decisions.record(decision.k, probe=bool(decision.probe_k))
+
+    def _pass_without_decision(self, metrics: TargetMetrics) -> None:
+        """Nobody to decide for while no drafts pay: the step still counts toward the next probe,
+        and as a k = 0 decision."""
+        self.policy.pass_step_without_decision()
+        metrics.draft_decisions.record(0)
 
     def propose(self, scheduled: list[ScheduledSeq], metrics: TargetMetrics) -> dict[int, list[int]]:
         """One batched Propose: pending updates, releases, and draft requests."""

@@ -96,7 +96,7 @@ def _generate(core, prompt: str, speculate: bool = True) -> tuple[list[int], lis
                            speculation=SpeculationParams(disable=not speculate)))
     tokens: list[int] = []
     chosen: list[int | None] = []
-    histogram = core.metrics.num_drafts_chosen
+    histogram = core.metrics.draft_decisions
     while True:
         before = _count_and_sum(histogram)
         outputs = core.step()
@@ -601,7 +601,7 @@ def test_while_the_drafter_is_down_every_step_is_a_fallback_step_whatever_the_po
     core.link.mark_failed("stopped for the test")
     core.link._next_attempt = float("inf")  # no handshake again within the test
     before = core.metrics.registry.get_sample_value("splitspec_spec_decode_fallback_steps_total")
-    tokens, chosen, _ = _generate(core, PROMPTS[0])
+    _, chosen, _ = _generate(core, PROMPTS[0])
     after = core.metrics.registry.get_sample_value("splitspec_spec_decode_fallback_steps_total")
     assert not core.link.ready and proposes == []
     assert after - before == len(chosen) >= MAX_TOKENS - 1
